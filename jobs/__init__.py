@@ -1,0 +1,39 @@
+"""prefillq client library and Redis schema. Never imports MLX.
+
+    from jobs import PrefillClient
+    client = PrefillClient.from_url("redis://localhost:6379/0")
+    job_id = client.submit(prompt="The capital of France is", model="gemma3-270m")
+    print(client.result(job_id, timeout=60).top_k[0].piece)
+"""
+
+from .client import PrefillClient
+from .errors import (
+    InvalidRequest,
+    JobCanceled,
+    JobFailed,
+    JobNotFound,
+    JobTimeout,
+    PrefillQError,
+    QueueFull,
+    TokenOutOfRange,
+    UnknownModel,
+)
+from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
+
+__all__ = [
+    "InvalidRequest",
+    "JobCanceled",
+    "JobFailed",
+    "JobNotFound",
+    "JobState",
+    "JobStatus",
+    "JobTimeout",
+    "LogitsMode",
+    "PrefillClient",
+    "PrefillQError",
+    "PrefillResult",
+    "QueueFull",
+    "TokenOutOfRange",
+    "TopLogit",
+    "UnknownModel",
+]

@@ -1,0 +1,44 @@
+"""Errors a client sees. Input errors are raised at `submit`; a job that fails later carries
+``error.type`` (e.g. ``PromptTooLong``, ``ModelError``, ``WorkerLost``) in its status."""
+
+from __future__ import annotations
+
+
+class PrefillQError(Exception):
+    """Base class of prefillq client errors."""
+
+
+class InvalidRequest(PrefillQError, ValueError):
+    """The submitted job is malformed (no input, two inputs, empty prompt, bad top_k, ...)."""
+
+
+class UnknownModel(InvalidRequest):
+    """No registered worker serves this model."""
+
+
+class TokenOutOfRange(InvalidRequest):
+    """A token id is outside the model's vocabulary."""
+
+
+class QueueFull(PrefillQError):
+    """The model's intake queue is at its configured depth."""
+
+
+class JobNotFound(PrefillQError, KeyError):
+    """No such job (never submitted, or its record expired)."""
+
+
+class JobFailed(PrefillQError):
+    """`result` on a failed job. Attributes: ``error_type``, ``message``."""
+
+    def __init__(self, job_id: str, error_type: str, message: str):
+        super().__init__(f"job {job_id} failed: {error_type}: {message}")
+        self.job_id, self.error_type, self.message = job_id, error_type, message
+
+
+class JobCanceled(PrefillQError):
+    """`result` on a canceled job."""
+
+
+class JobTimeout(PrefillQError, TimeoutError):
+    """`result` waited its timeout and the job is not terminal yet."""

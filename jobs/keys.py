@@ -1,0 +1,69 @@
+"""Every Redis key and channel prefillq uses, in one place.
+
+Per-job keys carry the job id as a hash tag (``{id}``) so the scripts that decide a job's
+fate touch one Redis Cluster slot. RQ's own keys (``rq:*``) are RQ's business.
+"""
+
+from __future__ import annotations
+
+PREFIX = "prefillq"
+
+# Our record of a job: the source of truth for its state (RQ's status is not).
+JOB = PREFIX + ":{{{job_id}}}:job"
+# Set by `cancel` on an in-flight job; checked by the worker between chunks.
+CANCEL = PREFIX + ":{{{job_id}}}:cancel"
+# Full float32 logits of a finished job, when requested.
+LOGITS = PREFIX + ":{{{job_id}}}:logits"
+# Pub/sub channel: one message per chunk and one on the terminal state.
+EVENTS = PREFIX + ":{{{job_id}}}:events"
+# idempotency key -> job id
+IDEMPOTENCY = PREFIX + ":idem:{key}"
+
+# model name -> msgpack {vocab_size, context_length, architecture, sha256}
+MODELS = PREFIX + ":models"
+# names of registered workers
+WORKERS = PREFIX + ":workers"
+# worker liveness: exists while the worker is alive (TTL of a few chunk times)
+WORKER_HEARTBEAT = PREFIX + ":worker:{worker}:heartbeat"
+# ids of the jobs a worker holds in memory (for the dead-worker reaper)
+WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
+
+# RQ queue names: one shared intake queue per model, one sticky queue per worker.
+INTAKE_QUEUE = "prefill:{model}"
+STICKY_QUEUE = "prefill:w:{worker}"
+
+
+def job(job_id: str) -> str:
+    return JOB.format(job_id=job_id)
+
+
+def cancel(job_id: str) -> str:
+    return CANCEL.format(job_id=job_id)
+
+
+def logits(job_id: str) -> str:
+    return LOGITS.format(job_id=job_id)
+
+
+def events(job_id: str) -> str:
+    return EVENTS.format(job_id=job_id)
+
+
+def idempotency(key: str) -> str:
+    return IDEMPOTENCY.format(key=key)
+
+
+def worker_heartbeat(worker: str) -> str:
+    return WORKER_HEARTBEAT.format(worker=worker)
+
+
+def worker_jobs(worker: str) -> str:
+    return WORKER_JOBS.format(worker=worker)
+
+
+def intake_queue(model: str) -> str:
+    return INTAKE_QUEUE.format(model=model)
+
+
+def sticky_queue(worker: str) -> str:
+    return STICKY_QUEUE.format(worker=worker)

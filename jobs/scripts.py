@@ -1,0 +1,135 @@
+"""Lua scripts for every read-then-write decision on a job.
+
+Each script touches one job's keys only (hash-tagged by job id, so one Redis Cluster slot)
+and is atomic with `cancel`: a job is never continued, published or restarted after a
+cancel landed, and a worker that lost the job (the fencing token ``worker`` + ``attempts``
+no longer matches) changes nothing.
+"""
+
+from __future__ import annotations
+
+from redis import Redis
+from redis.commands.core import Script
+
+# Shared prologue. KEYS[1] job hash, KEYS[2] cancel flag, KEYS[3] events channel;
+# ARGV[1] worker, ARGV[2] attempt, ARGV[3] now.
+_FENCE = """
+local state, worker, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'worker', 'attempts'))
+if state ~= 'prefilling' or worker ~= ARGV[1] or attempts ~= ARGV[2] then
+  return 'fenced'
+end
+"""
+
+_CANCEL_IF_FLAGGED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[1], 'state', 'canceled', 'cancel_requested', 0,
+             'updated_at', ARGV[3], 'finished_at', ARGV[3])
+  redis.call('DEL', KEYS[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('PUBLISH', KEYS[3], 'canceled')
+  return 'canceled'
+end
+"""
+
+# A worker takes a queued job: state queued -> prefilling, attempts += 1.
+# KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] max_attempts
+START = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'queued' then return {state or 'missing', 0} end
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 0,
+           'chunks_done', 0, 'started_at', ARGV[2], 'updated_at', ARGV[2])
+redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
+redis.call('PUBLISH', KEYS[2], 'prefilling')
+return {'started', attempts}
+"""
+
+# After a chunk: record progress unless canceled or fenced. ARGV[4] result TTL (s),
+# ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens, ARGV[8] recovery_position.
+CHECKPOINT = (
+    _FENCE
+    + _CANCEL_IF_FLAGGED
+    + """
+redis.call('HSET', KEYS[1], 'cursor', ARGV[5], 'chunks_done', ARGV[6], 'n_tokens', ARGV[7],
+           'recovery_position', ARGV[8], 'updated_at', ARGV[3])
+redis.call('PUBLISH', KEYS[3], 'prefilling')
+return 'continue'
+"""
+)
+
+# The last chunk is done: publish logits and `finished` together, unless canceled or fenced.
+# KEYS[4] logits key; ARGV[5] result blob, ARGV[6] logits blob or '', ARGV[7] logits TTL,
+# ARGV[8] cursor, ARGV[9] chunks_done.
+PUBLISH = (
+    _FENCE
+    + _CANCEL_IF_FLAGGED
+    + """
+if ARGV[6] ~= '' then
+  redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[7])
+end
+redis.call('HSET', KEYS[1], 'state', 'finished', 'result', ARGV[5], 'cursor', ARGV[8],
+           'chunks_done', ARGV[9], 'updated_at', ARGV[3], 'finished_at', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PUBLISH', KEYS[3], 'finished')
+return 'finished'
+"""
+)
+
+# The job cannot go on: ARGV[5] error type, ARGV[6] message.
+FAIL = (
+    _FENCE
+    + """
+redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[5], 'error_message', ARGV[6],
+           'updated_at', ARGV[3], 'finished_at', ARGV[3])
+redis.call('DEL', KEYS[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PUBLISH', KEYS[3], 'failed')
+return 'failed'
+"""
+)
+
+# Hand the job back to intake (a failed chunk to retry, or a SIGTERM hand-back); the
+# caller enqueues the RQ job in the same MULTI. Canceled wins.
+REQUEUE = (
+    _FENCE
+    + _CANCEL_IF_FLAGGED
+    + """
+redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'cursor', 0, 'chunks_done', 0,
+           'updated_at', ARGV[3])
+redis.call('PUBLISH', KEYS[3], 'queued')
+return 'queued'
+"""
+)
+
+# Client cancel. KEYS[1] job, KEYS[2] cancel flag, KEYS[3] events; ARGV[1] now, ARGV[2] TTL.
+# queued -> canceled at once; prefilling -> flag for the worker; terminal -> unchanged.
+CANCEL = """
+local state, requested = unpack(redis.call('HMGET', KEYS[1], 'state', 'cancel_requested'))
+if not state then return 'missing' end
+if state == 'queued' then
+  redis.call('HSET', KEYS[1], 'state', 'canceled', 'updated_at', ARGV[1], 'finished_at', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('PUBLISH', KEYS[3], 'canceled')
+  return 'canceled'
+end
+if state == 'prefilling' then
+  if requested == '1' then return 'pending' end
+  redis.call('SET', KEYS[2], '1')
+  redis.call('HSET', KEYS[1], 'cancel_requested', 1, 'updated_at', ARGV[1])
+  redis.call('PUBLISH', KEYS[3], 'prefilling')
+  return 'requested'
+end
+return state
+"""
+
+
+class Scripts:
+    """The scripts registered on one connection (EVALSHA with a transparent reload)."""
+
+    def __init__(self, redis: Redis):
+        self.start: Script = redis.register_script(START)
+        self.checkpoint: Script = redis.register_script(CHECKPOINT)
+        self.publish: Script = redis.register_script(PUBLISH)
+        self.fail: Script = redis.register_script(FAIL)
+        self.requeue: Script = redis.register_script(REQUEUE)
+        self.cancel: Script = redis.register_script(CANCEL)

@@ -1,0 +1,206 @@
+"""Gemma 3 (text) in MLX, loaded from a llama.cpp GGUF.
+
+Follows mlx-lm's ``gemma3_text.py`` and llama.cpp's ``llm_build_gemma3``: sliding-window
+attention in five of every six layers (ring cache of ``sliding_window`` rows, RoPE base
+10,000), global attention in every sixth (RoPE base from the GGUF, 1,000,000), RMS-normed
+q/k, four norms per block, a GELU-tanh gated MLP, the embedding scaled by sqrt(hidden) and
+the output head tied to it. llama.cpp stores the norm weights with Gemma's +1 already added,
+so RMSNorm multiplies by the stored weight directly.
+
+Modules are named after the GGUF tensors (``blk.N.attn_q``), so loading needs no mapping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import LayerSpec, ModelCache
+from .loader import GGUFError, GGUFFile
+
+ARCHITECTURE = "gemma3"
+# llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
+LOCAL_ROPE_BASE = 10_000.0
+# llama.cpp sets the SWA pattern for Gemma 3 to 6: layer i is global iff (i + 1) % 6 == 0.
+SLIDING_WINDOW_PATTERN = 6
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    sliding_window: int
+    rope_theta: float
+    context_length: int
+    rope_local_base_freq: float = LOCAL_ROPE_BASE
+    sliding_window_pattern: int = SLIDING_WINDOW_PATTERN
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> ModelArgs:
+        """Read ``gemma3.*`` metadata. Raises GGUFError naming a missing key."""
+        a = f"{ARCHITECTURE}."
+        n_heads = int(gguf.require(a + "attention.head_count"))
+        hidden = int(gguf.require(a + "embedding_length"))
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(gguf.require(a + "block_count")),
+            intermediate_size=int(gguf.require(a + "feed_forward_length")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(gguf.metadata.get(a + "attention.head_count_kv", n_heads)),
+            head_dim=int(gguf.metadata.get(a + "attention.key_length", hidden // n_heads)),
+            vocab_size=len(gguf.require("tokenizer.ggml.tokens")),
+            rms_norm_eps=float(gguf.require(a + "attention.layer_norm_rms_epsilon")),
+            sliding_window=int(gguf.require(a + "attention.sliding_window")),
+            rope_theta=float(gguf.metadata.get(a + "rope.freq_base", 1_000_000.0)),
+            context_length=int(gguf.require(a + "context_length")),
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        return (layer + 1) % self.sliding_window_pattern != 0
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [
+            LayerSpec(
+                self.num_key_value_heads,
+                self.head_dim,
+                self.sliding_window if self.is_sliding(i) else None,
+            )
+            for i in range(self.num_hidden_layers)
+        ]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        # llama.cpp: 1/sqrt(head_dim) for every size but 27B (query_pre_attn_scalar = head_dim).
+        self.scale = args.head_dim**-0.5
+        self.rope_base = args.rope_local_base_freq if args.is_sliding(layer) else args.rope_theta
+        hd = args.head_dim
+        self.attn_q = nn.Linear(args.hidden_size, self.n_heads * hd, bias=False)
+        self.attn_k = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=False)
+        self.attn_v = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=False)
+        self.attn_output = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
+        self.attn_q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache, position: int) -> mx.array:
+        B, L, _ = x.shape
+        q = self.attn_q_norm(self.attn_q(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.attn_k_norm(self.attn_k(x).reshape(B, L, self.n_kv_heads, -1))
+        k = k.transpose(0, 2, 1, 3)
+        v = self.attn_v(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # (B, heads, L, head_dim); NEOX-style rotation, i.e. MLX's traditional=False
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
+                         offset=position)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
+                         offset=position)
+        keys, values, mask = cache.update(k, v, position)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.ffn_gate = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.ffn_up = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.ffn_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ffn_down(nn.gelu_approx(self.ffn_gate(x)) * self.ffn_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        eps = args.rms_norm_eps
+        self.attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.attn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_attention_norm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_ffw_norm = nn.RMSNorm(args.hidden_size, eps=eps)
+
+    def __call__(self, x: mx.array, cache, position: int) -> mx.array:
+        h = x + self.post_attention_norm(self.attn(self.attn_norm(x), cache, position))
+        return h + self.post_ffw_norm(self.mlp(self.ffn_norm(h)))
+
+
+class Model(nn.Module):
+    """Gemma 3 text model.
+
+    ``model(inputs, cache)`` runs one chunk and returns the hidden state of its last
+    position; ``model.logits(hidden)`` applies the tied output head. Running the head on
+    the last position only matters: at 262,144 x 640 it is the largest matmul per token.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.token_embd = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.blk = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.output_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def sliding_window(self) -> int:
+        return self.args.sliding_window
+
+    def __call__(self, inputs: mx.array, cache: ModelCache) -> mx.array:
+        """Run one chunk at ``cache.position`` without committing it.
+
+        Args:
+            inputs: token ids, int32 ``(B, L)``.
+            cache: the job's cache; layers write rows ``[position, position + L)``.
+        Returns:
+            float ``(B, hidden)``: the final-normed hidden state of the last position.
+        """
+        h = self.token_embd(inputs)
+        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
+        for layer, block in enumerate(self.blk):
+            h = block(h, cache[layer], cache.position)
+        return self.output_norm(h[:, -1, :])
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """``(B, hidden)`` -> ``(B, vocab)`` through the tied embedding."""
+        return self.token_embd.as_linear(hidden)
+
+    def make_cache(
+        self, kv_dtype: mx.Dtype = mx.float32, capacity: int = 0, context_length: int = 0
+    ) -> ModelCache:
+        ctx = context_length or self.args.context_length
+        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity)
+
+
+def gguf_name(param: str) -> str:
+    """``blk.3.attn.attn_q.weight`` -> ``blk.3.attn_q.weight``: the GGUF block is flat."""
+    return param.replace(".attn.", ".").replace(".mlp.", ".")
+
+
+def load(gguf: GGUFFile, dtype: mx.Dtype = mx.float32) -> Model:
+    """Build a `Model` and load its weights from `gguf`, dequantized to `dtype`.
+
+    Raises:
+        GGUFError: a tensor is missing, has an unexpected shape or unsupported type.
+    """
+    model = Model(ModelArgs.from_gguf(gguf))
+    weights = []
+    for name, param in nn.utils.tree_flatten(model.parameters()):
+        array = gguf.tensor(gguf_name(name))
+        if array.shape != param.shape:
+            raise GGUFError(f"{gguf.path.name}: tensor {name!r} has shape {array.shape}, "
+                            f"expected {param.shape}")
+        weights.append((name, mx.array(array).astype(dtype)))
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,190 @@
+"""One job's cold prefill, advanced one bounded chunk at a time.
+
+mlx-lm's prefill loop (slice, forward, ``mx.eval`` the cache, report progress) turned inside
+out so a queue can run one chunk per call, interleave jobs between calls and stop a job at
+any chunk boundary. Logits are computed once, for the last position, after the last chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import ModelCache
+from .planner import ChunkPlan, plan_chunks
+
+
+class PrefillError(ValueError):
+    """Base class of deterministic input errors: retrying the job cannot help."""
+
+
+class PromptTooLong(PrefillError):
+    """The prompt has more tokens than the serving context."""
+
+
+class EmptyPrompt(PrefillError):
+    """The prompt has no tokens."""
+
+
+class TokenOutOfRange(PrefillError):
+    """A token id is outside the model's vocabulary."""
+
+
+class PrefillModel(Protocol):
+    """What an architecture module's ``Model`` provides to the prefill loop."""
+
+    sliding_window: int
+
+    def __call__(self, inputs: mx.array, cache: ModelCache) -> mx.array: ...
+
+    def logits(self, hidden: mx.array) -> mx.array: ...
+
+    def make_cache(
+        self, kv_dtype: mx.Dtype = ..., capacity: int = ..., context_length: int = ...
+    ) -> ModelCache: ...
+
+
+def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
+    """Run `token_ids` at ``cache.position``, evaluate, then commit them.
+
+    Returns:
+        float ``(1, hidden)``: the last position's final hidden state (evaluated).
+    Raises:
+        CachePoisoned: the cache was poisoned earlier. Anything the forward pass raises,
+        after poisoning the cache (rows past its position may be half written).
+    """
+    cache.check_chunk(len(token_ids))
+    try:
+        hidden = model(mx.array(token_ids, dtype=mx.int32)[None], cache)
+        mx.eval(hidden, cache.state())
+    except BaseException:
+        cache.poison()
+        raise
+    cache.commit(len(token_ids))
+    return hidden
+
+
+@dataclass
+class TopToken:
+    id: int
+    logit: float
+    logprob: float
+
+
+def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
+    """The `k` highest logits, highest first, with log-softmax over the whole vocabulary.
+
+    Args:
+        logits: float32 ``(vocab,)``.
+    """
+    k = max(0, min(k, logits.shape[0]))
+    if k == 0:
+        return []
+    ids = np.argpartition(-logits, k - 1)[:k]
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    peak = float(logits.max())
+    log_z = peak + float(np.log(np.exp((logits - peak).astype(np.float64)).sum()))
+    return [TopToken(int(i), float(logits[i]), float(logits[i]) - log_z) for i in ids]
+
+
+@dataclass
+class Prefill:
+    """A cold prefill in progress: token ids, chunk plan and the job's KV cache.
+
+    The cursor is ``cache.position`` (one source of truth). Create with `start_prefill`.
+    """
+
+    model: PrefillModel
+    token_ids: list[int]
+    plan: ChunkPlan
+    cache: ModelCache
+    chunks_done: int = 0
+    compute_seconds: float = 0.0
+    _hidden: mx.array | None = field(default=None, repr=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cursor(self) -> int:
+        return self.cache.position
+
+    @property
+    def done(self) -> bool:
+        return self.cursor == self.n_tokens
+
+    def step(self) -> int:
+        """Run the next chunk; returns the number of tokens it committed.
+
+        Raises:
+            ValueError: the prefill is already done. Whatever `prefill_chunk` raises.
+        """
+        start, end = self.plan.next_chunk(self.cursor)
+        t0 = time.perf_counter()
+        self._hidden = prefill_chunk(self.model, self.cache, self.token_ids[start:end])
+        self.compute_seconds += time.perf_counter() - t0
+        self.chunks_done += 1
+        return end - start
+
+    def run(self) -> np.ndarray:
+        """Run every remaining chunk and return the final logits."""
+        while not self.done:
+            self.step()
+        return self.logits()
+
+    def logits(self) -> np.ndarray:
+        """Final-position logits, float32 ``(vocab,)``.
+
+        Raises:
+            RuntimeError: the prefill is not done.
+        """
+        if not self.done or self._hidden is None:
+            raise RuntimeError(f"prefill at {self.cursor}/{self.n_tokens} has no logits yet")
+        logits = self.model.logits(self._hidden).astype(mx.float32)
+        return np.array(logits[0])
+
+    def reset(self) -> None:
+        """Back to cursor 0 (after a failed chunk poisoned the cache)."""
+        self.cache.reset()
+        self.chunks_done = 0
+        self._hidden = None
+
+
+def start_prefill(
+    model: PrefillModel,
+    token_ids: Sequence[int],
+    *,
+    vocab_size: int,
+    context_length: int,
+    chunk_tokens: int | None = None,
+    kv_dtype: mx.Dtype = mx.float32,
+) -> Prefill:
+    """Validate `token_ids`, plan the chunks and allocate the cache for them.
+
+    Args:
+        token_ids: the prompt, BOS included when the model wants one.
+        vocab_size: ids must be in ``[0, vocab_size)``.
+        context_length: serving context in tokens; longer prompts are rejected.
+        chunk_tokens: exact chunk size, or None for the window-aligned default.
+    Raises:
+        EmptyPrompt, TokenOutOfRange, PromptTooLong: input errors (not worth a retry).
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise EmptyPrompt("the prompt has no tokens")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise TokenOutOfRange(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) > context_length:
+        raise PromptTooLong(
+            f"prompt has {len(ids)} tokens, more than the serving context of {context_length}"
+        )
+    plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens)
+    cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
+    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)
