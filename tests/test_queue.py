@@ -1,0 +1,143 @@
+"""The queue end to end: PrefillClient -> Redis (real server and fakeredis) -> PrefillWorker.
+
+The worker runs in burst mode in the test's main thread (RQ installs signal handlers);
+watchers follow jobs from other threads on their own connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from jobs import JobFailed, JobState, JobTimeout, PrefillClient, keys
+from worker.worker import PrefillWorker
+
+MODEL = "gemma3-270m"
+CHUNK_TOKENS = 128
+TOL = 1e-3  # DESIGN §8: max |diff| <= 1e-3 x max |logit|
+
+
+def long_ids(reference_cases, n: int, offset: int = 0) -> list[int]:
+    """`n` real token ids (BOS first) from the 6,144-token reference prompt."""
+    ids = reference_cases[-1]["tokens"]
+    return [ids[0], *ids[1 + offset : offset + n]]
+
+
+def make_worker(connect, gemma, **kwargs) -> PrefillWorker:
+    worker = PrefillWorker({MODEL: gemma}, connect(), name=kwargs.pop("name", "w1"), **kwargs)
+    worker.register_models()
+    return worker
+
+
+def chunk_order(caplog) -> list[str]:
+    """Job ids in the order the worker ran their chunks (its per-chunk INFO line)."""
+    pattern = re.compile(r"job (\w+) chunk \d+:")
+    return [m.group(1) for r in caplog.records if (m := pattern.match(r.getMessage()))]
+
+
+class Watcher(threading.Thread):
+    """Follows one job with `PrefillClient.watch`; records every status it sees and whether
+    a result was visible before the job finished."""
+
+    def __init__(self, connect, job_id: str):
+        super().__init__(daemon=True)
+        self.client = PrefillClient(connect())
+        self.job_id = job_id
+        self.statuses = []
+        self.early_results = []
+        self.error = None
+
+    def run(self) -> None:
+        try:
+            for status in self.client.watch(self.job_id, timeout=600):
+                self.statuses.append(status)
+                if not status.state.is_terminal:
+                    # the result must be absent until `finished`
+                    self.early_results.append(
+                        self.client.redis.hget(keys.job(self.job_id), "result") is not None
+                        or self.client.redis.exists(keys.logits(self.job_id)) == 1
+                    )
+        except Exception as e:  # surfaced by the test
+            self.error = e
+
+
+def test_two_long_prompts_interleave_and_match_in_process(
+    redis_conn, gemma, reference_cases, caplog
+):
+    ids_a = long_ids(reference_cases, 700)
+    ids_b = long_ids(reference_cases, 520, offset=1000)
+    worker = make_worker(redis_conn, gemma, chunk_tokens=CHUNK_TOKENS)
+    client = PrefillClient(redis_conn())
+    job_a = client.submit(tokens=ids_a, model=MODEL, logits="full", top_k=5)
+    job_b = client.submit(tokens=ids_b, model=MODEL, top_k=5)
+    with pytest.raises(JobTimeout):
+        client.result(job_a, timeout=0)
+    watchers = [Watcher(redis_conn, job_a), Watcher(redis_conn, job_b)]
+    for w in watchers:
+        w.start()
+
+    caplog.set_level(logging.INFO, logger="prefillq.worker")
+    worker.work(burst=True)
+    for w in watchers:
+        w.join(timeout=60)
+        assert w.error is None, w.error
+
+    # chunks alternate a, b, a, b, ... until b (5 chunks) is done, then a (6 chunks) ends
+    order = chunk_order(caplog)
+    assert order == [job_a, job_b] * 5 + [job_a]
+
+    for job_id, ids, watcher in ((job_a, ids_a, watchers[0]), (job_b, ids_b, watchers[1])):
+        status = client.status(job_id)
+        assert status.state == JobState.FINISHED
+        assert (status.n_tokens, status.cursor, status.attempts) == (len(ids), len(ids), 1)
+        assert status.chunks_done == -(-len(ids) // CHUNK_TOKENS)
+        cursors = [s.cursor for s in watcher.statuses]
+        assert cursors == sorted(cursors), "cursor never goes back"
+        assert any(0 < c < len(ids) for c in cursors), f"no intermediate cursor in {cursors}"
+        assert not any(watcher.early_results), "a result was visible before `finished`"
+
+    expected_a = gemma.start_prefill(ids_a).run()
+    result_a = client.result(job_a, timeout=0)
+    logits_a = np.frombuffer(result_a.logits, dtype=np.float32)
+    assert logits_a.shape == expected_a.shape
+    assert np.abs(logits_a - expected_a).max() <= TOL * np.abs(expected_a).max()
+    assert result_a.top_k[0].id == int(expected_a.argmax())
+
+    expected_b = gemma.start_prefill(ids_b).run()
+    result_b = client.result(job_b, timeout=0)
+    assert result_b.logits is None
+    top_b = np.argsort(-expected_b)[:5]
+    assert [t.id for t in result_b.top_k] == top_b.tolist()
+    for t in result_b.top_k:
+        assert abs(t.logit - expected_b[t.id]) <= TOL * np.abs(expected_b).max()
+        assert t.piece == gemma.tokenizer.piece(t.id)
+    assert result_b.timings["compute_s"] > 0
+    assert result_b.model_sha256 == gemma.sha256
+
+
+def test_prompt_text_is_tokenized_by_the_worker(redis_conn, gemma, reference_cases):
+    case = reference_cases[0]  # "The capital of France is"
+    worker = make_worker(redis_conn, gemma)
+    client = PrefillClient(redis_conn())
+    job_id = client.submit(prompt=case["text"], model=MODEL, top_k=3)
+    worker.work(burst=True)
+    result = client.result(job_id, timeout=5)
+    assert result.n_tokens == len(case["tokens"])
+    assert [t.piece for t in result.top_k] == case["top10_pieces"][:3]
+
+
+def test_over_context_prompt_fails_and_the_worker_keeps_serving(redis_conn, gemma):
+    worker = make_worker(redis_conn, gemma)
+    client = PrefillClient(redis_conn())
+    too_long = client.submit(prompt="word " * 40_000, model=MODEL)
+    fine = client.submit(prompt="Hello", model=MODEL, top_k=1)
+    worker.work(burst=True)
+    with pytest.raises(JobFailed) as failed:
+        client.result(too_long, timeout=0)
+    assert failed.value.error_type == "PromptTooLong"
+    assert client.status(too_long).state == JobState.FAILED
+    assert client.result(fine, timeout=0).top_k[0].piece == ","
