@@ -60,9 +60,25 @@ class ModelInfo:
     sha256: str
 
 
-def intake_queue(redis: Redis, model: str) -> Queue:
-    """The RQ intake queue of `model` (msgpack serializer)."""
-    return Queue(keys.intake_queue(model), connection=redis, serializer=MsgpackSerializer)
+def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
+    """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
+    return Queue(
+        keys.intake_queue(model, priority), connection=redis, serializer=MsgpackSerializer
+    )
+
+
+def intake_priorities(redis: Redis, model: str) -> list[int]:
+    """Priorities that have an intake queue for `model`, highest first (0 always)."""
+    levels = {0} | {int(p) for p in redis.smembers(keys.priorities(model))}
+    return sorted(levels, reverse=True)
+
+
+def requeue_to_intake(redis: Redis, job_id: str, pipeline) -> None:
+    """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline`)."""
+    model, priority = redis.hmget(keys.job(job_id), "model", "priority")
+    if model is not None:  # an expired record needs no RQ job
+        queue = intake_queue(redis, model.decode(), int(priority or 0))
+        enqueue_chunk(queue, job_id, pipeline=pipeline)
 
 
 def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
@@ -183,9 +199,11 @@ class PrefillClient:
                     f"{len(tokens)} tokens exceed the context length {info.context_length} "
                     f"of {model}"
                 )
-        queue = intake_queue(self.redis, model)
-        if len(queue) >= self.max_queue_depth:
-            raise QueueFull(f"intake queue of {model} holds {self.max_queue_depth} jobs")
+        depth = sum(len(intake_queue(self.redis, model, p))
+                    for p in intake_priorities(self.redis, model))
+        if depth >= self.max_queue_depth:
+            raise QueueFull(f"intake queues of {model} hold {self.max_queue_depth} jobs")
+        queue = intake_queue(self.redis, model, int(priority))
 
         job_id = uuid.uuid4().hex
         if idempotency_key is not None:
@@ -223,6 +241,7 @@ class PrefillClient:
         with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job land together
             pipe.multi()
             pipe.hset(keys.job(job_id), mapping=record)
+            pipe.sadd(keys.priorities(model), int(priority))
             enqueue_chunk(queue, job_id, pipeline=pipe)
             pipe.execute()
         return job_id

@@ -28,8 +28,13 @@ WORKER_HEARTBEAT = PREFIX + ":worker:{worker}:heartbeat"
 # ids of the jobs a worker holds in memory (for the dead-worker reaper)
 WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
 
-# RQ queue names: one shared intake queue per model, one sticky queue per worker.
+# priorities that have an intake queue, per model (a set of ints)
+PRIORITIES = PREFIX + ":priorities:{model}"
+
+# RQ queue names: one shared intake queue per model and priority (priority 0 has the plain
+# name), one sticky queue per worker.
 INTAKE_QUEUE = "prefill:{model}"
+PRIORITY_INTAKE_QUEUE = "prefill:{model}:p{priority}"
 STICKY_QUEUE = "prefill:w:{worker}"
 
 
@@ -61,8 +66,14 @@ def worker_jobs(worker: str) -> str:
     return WORKER_JOBS.format(worker=worker)
 
 
-def intake_queue(model: str) -> str:
-    return INTAKE_QUEUE.format(model=model)
+def priorities(model: str) -> str:
+    return PRIORITIES.format(model=model)
+
+
+def intake_queue(model: str, priority: int = 0) -> str:
+    if priority == 0:
+        return INTAKE_QUEUE.format(model=model)
+    return PRIORITY_INTAKE_QUEUE.format(model=model, priority=priority)
 
 
 def sticky_queue(worker: str) -> str:

@@ -18,6 +18,8 @@ DEFAULT_MAX_ATTEMPTS = 3
 # Once terminal, a job's record (status + top-k result) lives this long; full logits less.
 DEFAULT_RESULT_TTL_S = 24 * 3600
 DEFAULT_LOGITS_TTL_S = 3600
+# A worker counts as dead this long after its last heartbeat.
+DEFAULT_HEARTBEAT_TTL_S = 30
 # Error messages are capped so a pathological input cannot bloat Redis.
 MAX_ERROR_CHARS = 2000
 

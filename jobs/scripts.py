@@ -32,26 +32,33 @@ end
 """
 
 # A worker takes a queued job: state queued -> prefilling, attempts += 1.
-# KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] max_attempts
+# KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
+# start, so a start retried after a lost reply finds its own start instead of a stranger's.
 START = """
-local state = redis.call('HGET', KEYS[1], 'state')
+local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
+                                                 'attempts'))
+if state == 'prefilling' and token == ARGV[3] then return {'started', tonumber(attempts)} end
 if state ~= 'queued' then return {state or 'missing', 0} end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 0,
-           'chunks_done', 0, 'started_at', ARGV[2], 'updated_at', ARGV[2])
+           'chunks_done', 0, 'started_at', ARGV[2], 'updated_at', ARGV[2], 'start_token', ARGV[3],
+           'cancel_requested', 0)
 redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
 redis.call('PUBLISH', KEYS[2], 'prefilling')
 return {'started', attempts}
 """
 
-# After a chunk: record progress unless canceled or fenced. ARGV[4] result TTL (s),
-# ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens, ARGV[8] recovery_position.
+# After a chunk: record progress, then stop if canceled (the cursor says where it stopped).
+# ARGV[4] result TTL (s), ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens,
+# ARGV[8] recovery_position.
 CHECKPOINT = (
     _FENCE
-    + _CANCEL_IF_FLAGGED
     + """
 redis.call('HSET', KEYS[1], 'cursor', ARGV[5], 'chunks_done', ARGV[6], 'n_tokens', ARGV[7],
            'recovery_position', ARGV[8], 'updated_at', ARGV[3])
+"""
+    + _CANCEL_IF_FLAGGED
+    + """
 redis.call('PUBLISH', KEYS[3], 'prefilling')
 return 'continue'
 """
@@ -88,17 +95,39 @@ return 'failed'
 """
 )
 
-# Hand the job back to intake (a failed chunk to retry, or a SIGTERM hand-back); the
-# caller enqueues the RQ job in the same MULTI. Canceled wins.
-REQUEUE = (
-    _FENCE
-    + _CANCEL_IF_FLAGGED
-    + """
+# Back to intake at cursor 0, or `failed` once failures reach max_attempts. Canceled wins.
+# ARGV[5] '1' if a failure caused this (a SIGTERM hand-back is not one), ARGV[6] error
+# type, ARGV[7] message (used when the job fails).
+_REQUEUE_BODY = """
+local failures = tonumber(redis.call('HGET', KEYS[1], 'failures') or '0')
+if ARGV[5] == '1' then
+  failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)
+end
+if failures >= tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1') then
+  redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[6],
+             'error_message', ARGV[7], 'updated_at', ARGV[3], 'finished_at', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('PUBLISH', KEYS[3], 'failed')
+  return 'failed'
+end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'cursor', 0, 'chunks_done', 0,
            'updated_at', ARGV[3])
 redis.call('PUBLISH', KEYS[3], 'queued')
 return 'queued'
 """
+
+# A worker hands a job back (failed chunk, SIGTERM); the caller enqueues the RQ job for
+# intake in the same MULTI (a stray RQ job for a non-queued job is skipped by START).
+REQUEUE = _FENCE + _CANCEL_IF_FLAGGED + _REQUEUE_BODY
+
+# The reaper takes a dead worker's job: fenced on the worker only (ARGV[2] unused).
+REAP = (
+    """
+local state, worker = unpack(redis.call('HMGET', KEYS[1], 'state', 'worker'))
+if state ~= 'prefilling' or worker ~= ARGV[1] then return 'fenced' end
+"""
+    + _CANCEL_IF_FLAGGED
+    + _REQUEUE_BODY
 )
 
 # Client cancel. KEYS[1] job, KEYS[2] cancel flag, KEYS[3] events; ARGV[1] now, ARGV[2] TTL.
@@ -119,7 +148,7 @@ if state == 'prefilling' then
   redis.call('PUBLISH', KEYS[3], 'prefilling')
   return 'requested'
 end
-return state
+return 'unchanged'
 """
 
 
@@ -132,4 +161,5 @@ class Scripts:
         self.publish: Script = redis.register_script(PUBLISH)
         self.fail: Script = redis.register_script(FAIL)
         self.requeue: Script = redis.register_script(REQUEUE)
+        self.reap: Script = redis.register_script(REAP)
         self.cancel: Script = redis.register_script(CANCEL)

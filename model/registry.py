@@ -16,6 +16,7 @@ import mlx.core as mx
 from . import gemma3
 from .loader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .prefill import Prefill, PrefillModel, start_prefill
+from .synthetic import tiny_gemma3_path
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -35,7 +36,11 @@ def _gemma3_270m() -> tuple[Path, str]:
     return Path(package.assemble()), package.EXPECTED_SHA256
 
 
-BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {DEFAULT_MODEL: _gemma3_270m}
+BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
+    DEFAULT_MODEL: _gemma3_270m,
+    # random weights, 64 wide, 16-token window: for fast process-level tests
+    "gemma3-tiny": tiny_gemma3_path,
+}
 
 
 def default_dtype() -> mx.Dtype:

@@ -32,44 +32,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisServer:
+    """A real ``redis-server`` child process on a free port (restartable on the same port).
+
+    Args:
+        workdir: its data directory.
+        appendonly: AOF persistence (fsync on every write) so a restart keeps the data.
+    """
+
+    def __init__(self, workdir, appendonly: bool = False):
+        import shutil
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.fail("redis-server is not installed (apt-get install redis-server)")
+        self.workdir, self.appendonly = workdir, appendonly
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> RedisServer:
+        import subprocess
+        import time
+
+        import redis
+
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(self.workdir)]
+        args += (["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
+                 else ["--appendonly", "no"])
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """A real ``redis-server`` on a free port for this test session; yields its URL.
+    """A real ``redis-server`` for this test session (persistence off); yields its URL.
 
-    Persistence is off. Fails (does not skip) when the binary is missing: CI installs it.
+    Fails (does not skip) when the binary is missing: CI installs it.
     """
-    import shutil
-    import subprocess
-    import time
-
-    import redis
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(params=["fakeredis", "redis"])
@@ -96,3 +115,21 @@ def redis_conn(request):
 
     connect().flushall()
     return connect
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache_dir(tmp_path_factory):
+    """Generated test models go to a per-session folder (worker subprocesses inherit it)."""
+    import os
+
+    from model.synthetic import CACHE_DIR_ENV
+
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny random-weight Gemma 3 (`gemma3-tiny`: 64 wide, 16-token window)."""
+    from model.registry import load_model
+
+    return load_model("gemma3-tiny")

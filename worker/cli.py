@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
 
 from jobs import JobCanceled, JobFailed, PrefillClient, PrefillQError, PrefillResult
-from jobs.client import DEFAULT_TOP_K, REDIS_URL_ENV
-from jobs.schema import JobStatus
+from jobs.client import DEFAULT_REDIS_URL, DEFAULT_TOP_K, REDIS_URL_ENV
+from jobs.schema import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_LOGITS_TTL_S,
+    DEFAULT_RESULT_TTL_S,
+    JobStatus,
+)
 
 DEFAULT_MODEL = "gemma3-270m"
 SAMPLE_PROMPT = "The capital of France is"
@@ -164,9 +170,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _finish(client, job_id, args.json)
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+def worker_connection(url: str | None):
+    """A Redis connection that rides out outages: every command is retried with capped
+    exponential backoff instead of raising, so the worker survives a Redis restart."""
     from redis import Redis
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError, TimeoutError
+    from redis.retry import Retry
 
+    return Redis.from_url(
+        url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
+        retry=Retry(ExponentialBackoff(cap=10.0, base=0.1), retries=-1),
+        retry_on_error=[ConnectionError, TimeoutError],
+        health_check_interval=30,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
     from .blas import loaded_blas
     from .worker import PrefillWorker
 
@@ -175,13 +195,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     models = _load_models(args.model or [DEFAULT_MODEL], args.context)
     worker = PrefillWorker(
         models,
-        Redis.from_url(args.redis),
+        worker_connection(args.redis),
         name=args.name,
         chunk_tokens=args.chunk_tokens,
         max_active=args.max_active,
         kv_budget_bytes=args.kv_budget_bytes,
+        result_ttl_s=args.result_ttl,
+        logits_ttl_s=args.logits_ttl,
+        heartbeat_ttl_s=args.heartbeat_ttl,
     )
     worker.work(burst=args.burst, logging_level="INFO")
+    return 0
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    from redis import Redis
+
+    from jobs.reaper import reap
+
+    reaped = reap(Redis.from_url(args.redis or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)))
+    for r in reaped:
+        print(f"{r.job_id}: {r.outcome} (worker {r.worker})")
+    print(f"reaped {len(reaped)} jobs")
     return 0
 
 
@@ -256,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kv-budget-bytes", type=int)
     worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
+                        help="seconds a terminal job's record lives (default: %(default)s)")
+    worker.add_argument("--logits-ttl", type=int, default=DEFAULT_LOGITS_TTL_S,
+                        help="seconds full logits live (default: %(default)s)")
+    worker.add_argument("--heartbeat-ttl", type=int, default=DEFAULT_HEARTBEAT_TTL_S,
+                        help="seconds without a heartbeat before a worker counts as dead "
+                             "(default: %(default)s)")
     worker.set_defaults(func=cmd_worker)
 
     submit = sub.add_parser("submit", help="enqueue a prompt; prints the job id")
@@ -271,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--priority", type=int, default=0)
     submit.add_argument("--chunk-tokens", type=int)
     submit.set_defaults(func=cmd_submit)
+
+    reaper = sub.add_parser("reap", help="one pass of the dead-worker reaper")
+    _add_redis(reaper)
+    reaper.set_defaults(func=cmd_reap)
 
     for name, func, text in (("status", cmd_status, "print a job's status"),
                              ("cancel", cmd_cancel, "cancel a job (idempotent)"),

@@ -33,8 +33,16 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 
 from jobs import keys
-from jobs.client import CHUNK_FUNCTION, enqueue_chunk, intake_queue
+from jobs.client import (
+    CHUNK_FUNCTION,
+    enqueue_chunk,
+    intake_priorities,
+    intake_queue,
+    requeue_to_intake,
+)
+from jobs.reaper import reap
 from jobs.schema import (
+    DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_RESULT_TTL_S,
     MAX_ERROR_CHARS,
@@ -50,9 +58,6 @@ from model.tokenizer import TokenizerError
 log = logging.getLogger("prefillq.worker")
 
 DEFAULT_MAX_ACTIVE = 4
-# The heartbeat key outlives a few missed beats; a chunk never blocks the beat (own thread).
-HEARTBEAT_INTERVAL_S = 5.0
-HEARTBEAT_TTL_S = 30
 
 
 class NoDeathPenalty(BaseDeathPenalty):
@@ -114,6 +119,7 @@ class PrefillWorker(SimpleWorker):
         max_active: jobs resident at once.
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
+        heartbeat_ttl_s: the worker counts as dead this long after its last heartbeat.
     """
 
     death_penalty_class = NoDeathPenalty
@@ -129,6 +135,7 @@ class PrefillWorker(SimpleWorker):
         kv_budget_bytes: int | None = None,
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
         logits_ttl_s: int = DEFAULT_LOGITS_TTL_S,
+        heartbeat_ttl_s: int = DEFAULT_HEARTBEAT_TTL_S,
     ):
         if not models:
             raise ValueError("a worker needs at least one model")
@@ -138,6 +145,7 @@ class PrefillWorker(SimpleWorker):
         self.max_active = max(1, max_active)
         self.kv_budget_bytes = kv_budget_bytes
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
+        self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
         self.intake = [intake_queue(connection, m) for m in models]
         self.sticky = Queue(
             keys.sticky_queue(name), connection=connection, serializer=MsgpackSerializer
@@ -169,14 +177,21 @@ class PrefillWorker(SimpleWorker):
         self._beat()
 
     def _beat(self) -> None:
-        self.connection.set(keys.worker_heartbeat(self.name), now(), ex=HEARTBEAT_TTL_S)
+        self.connection.set(keys.worker_heartbeat(self.name), now(), ex=self.heartbeat_ttl_s)
 
     def _heartbeat_loop(self) -> None:
-        while not self._heartbeat_stop.wait(HEARTBEAT_INTERVAL_S):
+        # The key outlives several missed beats (refreshed every ttl/6 from this thread, so a
+        # long chunk never delays it); dead workers are looked for once per ttl.
+        interval = self.heartbeat_ttl_s / 6
+        next_reap = time.monotonic() + self.heartbeat_ttl_s
+        while not self._heartbeat_stop.wait(interval):
             try:
-                self._beat()
-            except Exception:  # Redis blips must not kill the beat thread
-                log.warning("heartbeat failed", exc_info=True)
+                self.register_models()  # idempotent; restores a Redis that lost its data
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + self.heartbeat_ttl_s
+                    reap(self.connection, result_ttl_s=self.result_ttl_s)
+            except Exception:  # a Redis outage must not kill the beat thread
+                log.warning("heartbeat or reap failed; retrying", exc_info=True)
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
@@ -208,10 +223,21 @@ class PrefillWorker(SimpleWorker):
             return False
         return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
 
+    def intake_by_priority(self) -> list[Queue]:
+        """Every intake queue of every served model, highest priority first."""
+        levels = sorted(
+            ((p, m) for m in self.models for p in intake_priorities(self.connection, m)),
+            key=lambda level: -level[0],
+        )
+        return [intake_queue(self.connection, m, p) for p, m in levels]
+
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         # New jobs first while there is room (a short job waits at most one chunk), else
         # only continuations, which the sticky queue serves round-robin.
-        self._ordered_queues = [*self.intake, self.sticky] if self.admitting() else [self.sticky]
+        if self.admitting():
+            self._ordered_queues = [*self.intake_by_priority(), self.sticky]
+        else:
+            self._ordered_queues = [self.sticky]
         return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
@@ -255,6 +281,21 @@ class PrefillWorker(SimpleWorker):
             self._publish(active)
         else:
             self._checkpoint(active, enqueue=True)
+        self._stop_canceled()
+
+    def _stop_canceled(self) -> None:
+        """Stop every other resident job with a pending cancel now, not at its next turn:
+        its KV cache is released within one chunk time of the cancel."""
+        waiting = list(self.active.values())
+        if not waiting:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for active in waiting:
+                pipe.exists(keys.cancel(active.job_id))
+            flags = pipe.execute()
+        for active, flagged in zip(waiting, flags, strict=True):
+            if flagged:
+                self._checkpoint(active, enqueue=False)  # records `canceled`, drops it
 
     def _start(self, job_id: str) -> ActiveJob | None:
         raw = {k.decode(): v for k, v in self.connection.hgetall(keys.job(job_id)).items()}
@@ -266,7 +307,8 @@ class PrefillWorker(SimpleWorker):
             log.error("job %s wants model %s, not served here", job_id, raw["model"])
             return None
         outcome, attempt = self.scripts.start(
-            keys=[keys.job(job_id), keys.events(job_id)], args=[self.name, now()]
+            keys=[keys.job(job_id), keys.events(job_id)],
+            args=[self.name, now(), uuid.uuid4().hex],
         )
         if outcome != b"started":
             log.info("job %s is %s; not starting it", job_id, outcome.decode())
@@ -377,25 +419,24 @@ class PrefillWorker(SimpleWorker):
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
     def _chunk_failed(self, active: ActiveJob, error: Exception) -> None:
-        """A chunk raised: the cache is poisoned. Retry from cursor 0 or give up."""
+        """A chunk raised: the cache is poisoned. Back to intake at cursor 0, or `failed`
+        with ``ModelError`` once the job's failures reach ``max_attempts``."""
         log.error("job %s: chunk failed at %d/%d", active.job_id, active.prefill.cursor,
                   active.prefill.n_tokens, exc_info=error)
-        if active.attempt >= active.max_attempts:
-            self._fail(active.job_id, (self.name, active.attempt), "ModelError",
-                       f"{type(error).__name__}: {error}")
-        else:
-            self._requeue(active)
+        self._requeue(active, failure=("ModelError", f"{type(error).__name__}: {error}"))
 
-    def _requeue(self, active: ActiveJob) -> None:
-        """Hand `active` back to its intake queue (cursor 0; its cache dies here)."""
-        queue = intake_queue(self.connection, active.model.name)
+    def _requeue(self, active: ActiveJob, failure: tuple[str, str] | None = None) -> None:
+        """Hand `active` back to intake (its cache dies here); `failure` counts toward
+        ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
+        error_type, message = failure or ("", "")
+        args = [*self._fence_args(active), "1" if failure else "0", error_type,
+                message[:MAX_ERROR_CHARS]]
         with self.connection.pipeline() as pipe:
             pipe.multi()
-            self.scripts.requeue(keys=active.keys[:3], args=self._fence_args(active),
-                                 client=pipe)
-            enqueue_chunk(queue, active.job_id, pipeline=pipe)
+            self.scripts.requeue(keys=active.keys[:3], args=args, client=pipe)
+            requeue_to_intake(self.connection, active.job_id, pipe)
             outcome = pipe.execute()[0].decode()
-        log.info("job %s handed back to intake: %s", active.job_id, outcome)
+        log.info("job %s handed back: %s", active.job_id, outcome)
         self._drop(active)
 
     def hand_back_active(self) -> None:

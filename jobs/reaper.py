@@ -1,0 +1,67 @@
+"""The dead-worker reaper: jobs held by a worker whose heartbeat expired go back to intake.
+
+A worker's KV caches die with its process, so its jobs restart at cursor 0 with
+``attempts + 1``, or end ``failed`` with ``WorkerLost`` once failures reach
+``max_attempts``. Every live worker runs this on a timer; ``prefillq reap`` runs it once.
+Each job moves in one fenced script (it must still be ``prefilling`` on the dead worker),
+so two reapers racing, or a worker declared dead that still runs, cannot double-queue or
+double-publish it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from redis import Redis
+from rq import Queue
+
+from . import keys
+from .client import requeue_to_intake
+from .schema import DEFAULT_RESULT_TTL_S, now
+from .scripts import Scripts
+
+log = logging.getLogger("prefillq.reaper")
+
+
+@dataclass(frozen=True)
+class Reaped:
+    worker: str
+    job_id: str
+    outcome: str  # "queued", "failed", "canceled" or "fenced" (not ours to move)
+
+
+def dead_workers(redis: Redis) -> list[str]:
+    """Registered workers whose heartbeat key has expired."""
+    names = sorted(n.decode() for n in redis.smembers(keys.WORKERS))
+    with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(keys.worker_heartbeat(name))
+        alive = pipe.execute()
+    return [name for name, beat in zip(names, alive, strict=True) if not beat]
+
+
+def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reaped]:
+    """One pass: requeue (or fail) every job of every dead worker, then forget the worker."""
+    scripts = Scripts(redis)
+    reaped = []
+    for worker in dead_workers(redis):
+        for raw in redis.smembers(keys.worker_jobs(worker)):
+            job_id = raw.decode()
+            with redis.pipeline() as pipe:
+                pipe.multi()
+                scripts.reap(
+                    keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
+                    args=[worker, 0, now(), result_ttl_s, "1", "WorkerLost",
+                          f"worker {worker} stopped heartbeating while holding the job"],
+                    client=pipe,
+                )
+                requeue_to_intake(redis, job_id, pipe)  # a stray RQ job is skipped by START
+                outcome = pipe.execute()[0].decode()
+            reaped.append(Reaped(worker, job_id, outcome))
+            log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)
+        # its sticky queue holds only continuations of caches that no longer exist
+        Queue(keys.sticky_queue(worker), connection=redis).delete(delete_jobs=True)
+        redis.delete(keys.worker_jobs(worker))
+        redis.srem(keys.WORKERS, worker)
+    return reaped

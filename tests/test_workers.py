@@ -1,0 +1,236 @@
+"""Worker processes against a real redis-server: SIGKILL and the reaper, SIGTERM hand-back,
+three workers sharing 30 jobs, a Redis restart under a running worker.
+
+Workers run the tiny Gemma 3 (`gemma3-tiny`) with 4-token chunks so a prefill lasts long
+enough to be interrupted, and a 2 s heartbeat TTL so dead workers are found quickly.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from jobs import JobState, PrefillClient, keys
+from jobs.reaper import reap
+from jobs.serializer import packb
+
+from .conftest import RedisServer
+
+MODEL = "gemma3-tiny"
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [2, *rng.integers(260, 365, size=n - 1).tolist()]
+
+
+class WorkerProcess:
+    """``prefillq worker`` as a child process; its log goes to a file."""
+
+    def __init__(self, url: str, name: str, tmp_path, *extra: str):
+        self.name, self.url = name, url
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "worker", "--redis", url, "--name", name,
+             "--model", MODEL, "--chunk-tokens", "4", "--heartbeat-ttl", "2", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: redis.Redis.from_url(url).exists(keys.worker_heartbeat(name)),
+                 60, f"worker {name} did not register", self)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.log.close()
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def wait_for(predicate, timeout: float, message: str, worker: WorkerProcess | None = None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if worker is not None and worker.proc.poll() is not None:
+            pytest.fail(f"{message}: worker exited\n{worker.log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(message)
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RedisServer(tmp_path, appendonly=True).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def workers(server, tmp_path):
+    started = []
+
+    def start(name: str, *extra: str) -> WorkerProcess:
+        w = WorkerProcess(server.url, name, tmp_path, *extra)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def expected_top(tiny, token_ids, k):
+    logits = tiny.start_prefill(token_ids).run()
+    return np.argsort(-logits)[:k].tolist(), logits
+
+
+def test_sigkill_mid_prefill_then_a_second_worker_finishes_it(server, workers, tiny):
+    client = PrefillClient.from_url(server.url)
+    w1 = workers("w1")
+    token_ids = ids(2000, 0)  # 500 chunks of 4
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=5, logits="full")
+    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    w1.signal(signal.SIGKILL)
+    w1.wait()
+    killed_at = client.status(job)
+    assert killed_at.state == JobState.PREFILLING and killed_at.worker == "w1"
+
+    workers("w2")  # its reaper finds w1's heartbeat gone and requeues the job
+    result = client.result(job, timeout=120)
+    status = client.status(job)
+    assert (status.state, status.attempts, status.worker) == (JobState.FINISHED, 2, "w2")
+    top, logits = expected_top(tiny, token_ids, 5)
+    assert [t.id for t in result.top_k] == top
+    got = np.frombuffer(result.logits, dtype=np.float32)
+    assert np.abs(got - logits).max() <= 1e-3 * np.abs(logits).max()
+    assert not client.redis.sismember(keys.WORKERS, "w1")
+
+
+def test_sigterm_hands_active_jobs_back_and_exits_zero(server, workers, tiny):
+    client = PrefillClient.from_url(server.url)
+    w1 = workers("w1")
+    token_ids = ids(2000, 1)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
+    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    w1.signal(signal.SIGTERM)
+    assert w1.wait() == 0
+    status = client.status(job)
+    assert (status.state, status.cursor, status.attempts) == (JobState.QUEUED, 0, 1)
+    assert client.redis.exists(keys.worker_heartbeat("w1")) == 0
+    assert not client.redis.sismember(keys.WORKERS, "w1")
+    assert "handed back: queued" in w1.text()
+
+    workers("w2")
+    result = client.result(job, timeout=120)
+    assert client.status(job).attempts == 2
+    assert [t.id for t in result.top_k] == expected_top(tiny, token_ids, 3)[0]
+
+
+def test_three_workers_finish_thirty_jobs_exactly_once(server, workers):
+    client = PrefillClient.from_url(server.url)
+    procs = [workers(f"w{i}", "--max-active", "2") for i in range(3)]
+    jobs = [client.submit(tokens=ids(40 + 7 * i, 100 + i), model=MODEL, top_k=1)
+            for i in range(30)]
+    for job in jobs:
+        client.result(job, timeout=180)
+    for p in procs:
+        p.signal(signal.SIGTERM)
+        assert p.wait() == 0
+    finished = collections.Counter()
+    ran_on = collections.defaultdict(set)
+    for p in procs:
+        for m in re.finditer(r"job (\w+) finished:", p.text()):
+            finished[m.group(1)] += 1
+        for m in re.finditer(r"job (\w+) chunk \d+:", p.text()):
+            ran_on[m.group(1)].add(p.name)
+    assert set(finished) == set(jobs)
+    assert set(finished.values()) == {1}, "a job was published twice"
+    assert all(len(ran_on[j]) == 1 for j in jobs), "a continuation left its cache's worker"
+    assert all(client.status(j).attempts == 1 for j in jobs)
+    assert len({name for names in ran_on.values() for name in names}) == 3
+
+
+def test_worker_survives_a_redis_restart_and_resumes(server, workers, tiny):
+    client = PrefillClient.from_url(server.url)
+    w1 = workers("w1")
+    token_ids = ids(2000, 2)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
+    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    server.stop()
+    time.sleep(1.0)
+    server.start()  # AOF on: the job's record and queues survive
+
+    result = client.result(job, timeout=120)
+    assert [t.id for t in result.top_k] == expected_top(tiny, token_ids, 3)[0]
+    assert client.status(job).attempts == 1, "the worker kept its cache across the outage"
+    after = client.submit(tokens=ids(30, 3), model=MODEL, top_k=1)
+    assert client.result(after, timeout=60).n_tokens == 30
+    assert w1.proc.poll() is None, "the worker is still running"
+
+
+def test_worker_carries_on_when_a_redis_restart_lost_everything(tmp_path, workers):
+    srv = RedisServer(tmp_path / "volatile", appendonly=False)
+    os.makedirs(srv.workdir)
+    srv.start()
+    try:
+        w1 = WorkerProcess(srv.url, "w1", tmp_path)
+        client = PrefillClient.from_url(srv.url)
+        job = client.submit(tokens=ids(2000, 4), model=MODEL)
+        wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+        srv.stop()
+        time.sleep(1.0)
+        srv.start()  # empty: the job's record is gone
+        # the worker re-registers its model on its next heartbeat, then serves new jobs
+        wait_for(lambda: client.redis.hexists(keys.MODELS, MODEL), 30, "no re-registration", w1)
+        after = client.submit(tokens=ids(30, 5), model=MODEL, top_k=1)
+        assert client.result(after, timeout=60).n_tokens == 30
+        assert w1.proc.poll() is None
+        w1.signal(signal.SIGTERM)
+        assert w1.wait() == 0
+    finally:
+        srv.stop()
+
+
+def test_reap_cli_requeues_then_fails_a_dead_workers_job(redis_server):
+    conn = redis.Redis.from_url(redis_server)
+    conn.flushall()
+    info = {"vocab_size": 365, "context_length": 4096, "architecture": "gemma3", "sha256": ""}
+    conn.hset(keys.MODELS, MODEL, packb(info))  # as a worker registers it
+    client = PrefillClient(conn)
+    job = client.submit(tokens=ids(20, 6), model=MODEL, max_attempts=2)
+    for attempt, expected in ((1, "queued"), (2, "failed")):
+        # a worker takes the job, then dies without a heartbeat
+        conn.hset(keys.job(job), mapping={"state": "prefilling", "worker": "ghost",
+                                          "attempts": attempt})
+        conn.sadd(keys.WORKERS, "ghost")
+        conn.sadd(keys.worker_jobs("ghost"), job)
+        proc = subprocess.run([sys.executable, "-m", "worker", "reap", "--redis", redis_server],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert f"{job}: {expected} (worker ghost)" in proc.stdout
+        assert client.status(job).state == JobState(expected)
+        assert not conn.sismember(keys.WORKERS, "ghost")
+    assert client.status(job).error == {
+        "type": "WorkerLost",
+        "message": "worker ghost stopped heartbeating while holding the job",
+    }
+    assert reap(conn) == []  # nothing left to reap
