@@ -6,11 +6,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 UNAME  := $(shell uname -s)
 
-# MLX's Linux CPU wheel ships the reference BLAS (~45x slower): preload OpenBLAS.
+# MLX's Linux CPU wheel ships the reference BLAS (~45x slower): preload OpenBLAS, with its
+# kernels named for this CPU (worker/blas.py says why). Evaluated by the shell at run time.
+RUN_ENV = env $$($(BIN)/python -m worker.blas)
 ifeq ($(UNAME),Linux)
 BLAS_GLOB := /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3
-# evaluated by the shell at run time: system-deps may have just installed it
-RUN_ENV    = LD_PRELOAD=$$(ls $(BLAS_GLOB) 2>/dev/null | head -n 1)
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 endif
 

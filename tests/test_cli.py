@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from worker.blas import find_blas, openblas_coretype
+
 
 def prefillq(*args: str, env: dict | None = None, timeout: int = 300):
     return subprocess.run(
@@ -66,17 +68,30 @@ def test_bad_input_exits_nonzero_with_a_message(redis_server):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux-only")
 def test_entry_point_preloads_an_optimized_blas():
-    from worker.blas import find_blas
-
     blas = find_blas()
     assert blas is not None, "libopenblas0-pthread is not installed"
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PREFILLQ_BLAS_REEXEC")}
+    dropped = ("LD_PRELOAD", "PREFILLQ_BLAS_REEXEC", "OPENBLAS_CORETYPE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     code = (
-        "from worker.blas import ensure_blas, loaded_blas; ensure_blas(); "
-        "import mlx.core; print('\\n'.join(loaded_blas()))"
+        "import os; from worker.blas import ensure_blas, loaded_blas; ensure_blas(); "
+        "import mlx.core; print(os.environ.get('OPENBLAS_CORETYPE')); "
+        "print('\\n'.join(loaded_blas()))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    mapped = proc.stdout.split()
+    coretype, *mapped = proc.stdout.split()
     assert os.path.realpath(blas) in {os.path.realpath(p) for p in mapped}, mapped
+    assert coretype == str(openblas_coretype())
+
+
+def test_openblas_coretype_follows_cpu_flags():
+    def cpuinfo(flags: str) -> str:
+        return f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n"
+
+    assert openblas_coretype(cpuinfo("avx2 fma avx512f avx512vl avx512bw avx512dq "
+                                     "avx512_bf16")) == "Cooperlake"
+    assert openblas_coretype(cpuinfo("avx2 fma avx512f avx512vl avx512bw avx512dq")) == "SkylakeX"
+    assert openblas_coretype(cpuinfo("avx2 fma avx512f")) == "Haswell"
+    assert openblas_coretype(cpuinfo("avx")) is None
+    assert openblas_coretype("") is None
