@@ -106,11 +106,20 @@ class PrefillClient:
     Args:
         redis: a connection (``decode_responses`` must be False).
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
+        result_ttl_s: lifetime of the record of a job canceled before it started (workers
+            set it for the jobs they end; keep the two equal).
     """
 
-    def __init__(self, redis: Redis, *, max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH):
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH,
+        result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+    ):
         self.redis = redis
         self.max_queue_depth = max_queue_depth
+        self.result_ttl_s = result_ttl_s
         self._scripts = Scripts(redis)
 
     @classmethod
@@ -264,7 +273,7 @@ class PrefillClient:
         """
         outcome = self._scripts.cancel(
             keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-            args=[now(), DEFAULT_RESULT_TTL_S],
+            args=[now(), self.result_ttl_s],
         ).decode()
         if outcome == "missing":
             raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)")

@@ -141,3 +141,45 @@ def test_over_context_prompt_fails_and_the_worker_keeps_serving(redis_conn, gemm
     assert failed.value.error_type == "PromptTooLong"
     assert client.status(too_long).state == JobState.FAILED
     assert client.result(fine, timeout=0).top_k[0].piece == ","
+
+
+def test_nothing_is_pickled_and_terminal_keys_expire(redis_conn, tiny):
+    import zlib
+
+    from jobs.serializer import unpackb
+
+    conn = redis_conn()
+    worker = PrefillWorker({"gemma3-tiny": tiny}, conn, name="w1", chunk_tokens=16,
+                           result_ttl_s=600, logits_ttl_s=60)
+    worker.register_models()
+    client = PrefillClient(redis_conn(), result_ttl_s=600)
+    done = client.submit(tokens=[2, *range(300, 340)], model="gemma3-tiny", logits="full")
+    canceled = client.submit(tokens=[2, 300, 301], model="gemma3-tiny")
+    client.cancel(canceled)
+    # RQ's job payloads (deleted once a chunk ran: result_ttl=0) are zlib'd msgpack
+    rq_payloads = [
+        unpackb(zlib.decompress(conn.hget(key, "data")))
+        for key in conn.keys("rq:job:*") if conn.hexists(key, "data")
+    ]
+    assert len(rq_payloads) == 2
+    assert all(p[0] == "worker.tasks.advance_prefill" for p in rq_payloads)
+    worker.work(burst=True)
+
+    values = []
+    for key in conn.keys("*"):
+        kind = conn.type(key)
+        if kind == b"string":
+            values.append(conn.get(key))
+        elif kind == b"hash":
+            values.extend(conn.hgetall(key).values())
+        elif kind == b"list":
+            values.extend(conn.lrange(key, 0, -1))
+        elif kind == b"stream":
+            values.extend(v for _, e in conn.xrange(key) for v in e.values())
+    pickle_headers = {b"\x80" + bytes([proto]) for proto in range(2, 6)}
+    assert values and not [v for v in values if v[:2] in pickle_headers]
+
+    assert 0 < conn.ttl(keys.job(done)) <= 600
+    assert 0 < conn.ttl(keys.logits(done)) <= 60
+    assert 0 < conn.ttl(keys.job(canceled)) <= 600
+    assert conn.exists(keys.cancel(done)) == 0

@@ -272,3 +272,15 @@ def test_token_ids_outside_the_vocab_fail_at_submit(setup):
     _, client = setup()
     with pytest.raises(TokenOutOfRange):
         client.submit(tokens=[2, 10_000], model=MODEL)
+
+
+def test_kv_budget_admits_only_what_fits(setup, on_chunk, tiny):
+    a_ids, b_ids = ids(100, 14), ids(100, 15)
+    one_job = tiny.start_prefill(a_ids).cache.nbytes
+    worker, client = setup(kv_budget_bytes=one_job + one_job // 2)
+    a = client.submit(tokens=a_ids, model=MODEL)
+    b = client.submit(tokens=b_ids, model=MODEL)
+    log = on_chunk()
+    worker.work(burst=True)
+    assert log.order == [a] * 7 + [b] * 7, "b waited for a's KV cache to be released"
+    assert client.status(b).attempts == 1, "waiting for room is not a restart"

@@ -157,6 +157,7 @@ class PrefillWorker(SimpleWorker):
             serializer=MsgpackSerializer,
         )
         self.active: dict[str, ActiveJob] = {}
+        self._room_needed = False  # a job waits for KV room: admit nothing until one leaves
         self.scripts = Scripts(connection)
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -219,7 +220,7 @@ class PrefillWorker(SimpleWorker):
         return sum(a.prefill.cache.nbytes for a in self.active.values())
 
     def admitting(self) -> bool:
-        if len(self.active) >= self.max_active:
+        if len(self.active) >= self.max_active or self._room_needed:
             return False
         return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
 
@@ -298,6 +299,8 @@ class PrefillWorker(SimpleWorker):
                 self._checkpoint(active, enqueue=False)  # records `canceled`, drops it
 
     def _start(self, job_id: str) -> ActiveJob | None:
+        """First execution of a job here: tokenize, plan, check the KV budget, then take it
+        (``queued -> prefilling``). Returns None when the job is not ours to run."""
         raw = {k.decode(): v for k, v in self.connection.hgetall(keys.job(job_id)).items()}
         if not raw:
             log.warning("job %s has no record (expired?); skipping", job_id)
@@ -306,6 +309,17 @@ class PrefillWorker(SimpleWorker):
         if loaded is None:
             log.error("job %s wants model %s, not served here", job_id, raw["model"])
             return None
+        prefill, error = None, None
+        try:
+            prefill = loaded.start_prefill(self._token_ids(loaded, raw), self._chunk_tokens(raw))
+        except (PrefillError, TokenizerError) as e:
+            error = (type(e).__name__, str(e))
+        except Exception as e:
+            log.exception("job %s: could not start", job_id)
+            error = ("ModelError", f"{type(e).__name__}: {e}")
+        if prefill is not None and not self._fits_kv_budget(prefill):
+            self._wait_for_room(job_id, loaded.name, int(raw.get("priority", b"0")))
+            return None
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
             args=[self.name, now(), uuid.uuid4().hex],
@@ -313,18 +327,10 @@ class PrefillWorker(SimpleWorker):
         if outcome != b"started":
             log.info("job %s is %s; not starting it", job_id, outcome.decode())
             return None
+        if error is not None:
+            self._fail(job_id, (self.name, int(attempt)), *error)
+            return None
         self.connection.sadd(keys.worker_jobs(self.name), job_id)
-        fence = (self.name, int(attempt))
-        try:
-            token_ids = self._token_ids(loaded, raw)
-            prefill = loaded.start_prefill(token_ids, self._chunk_tokens(raw))
-        except (PrefillError, TokenizerError) as error:
-            self._fail(job_id, fence, type(error).__name__, str(error))
-            return None
-        except Exception as error:
-            log.exception("job %s: could not start", job_id)
-            self._fail(job_id, fence, "ModelError", f"{type(error).__name__}: {error}")
-            return None
         started = now()
         active = ActiveJob(
             job_id=job_id,
@@ -340,6 +346,21 @@ class PrefillWorker(SimpleWorker):
         )
         self.active[job_id] = active
         return active if self._checkpoint(active, enqueue=False) == "continue" else None
+
+    def _fits_kv_budget(self, prefill: Prefill) -> bool:
+        """A job alone always fits (else it could never run); others must leave it room."""
+        if self.kv_budget_bytes is None or not self.active:
+            return True
+        return self.resident_kv_bytes + prefill.cache.nbytes <= self.kv_budget_bytes
+
+    def _wait_for_room(self, job_id: str, model: str, priority: int) -> None:
+        """Put a job that does not fit back at the head of its intake queue, untouched, and
+        admit nothing until a resident job leaves."""
+        queue = intake_queue(self.connection, model, priority)
+        enqueue_chunk(queue, job_id, at_front=True)
+        self._room_needed = True
+        log.info("job %s waits for KV room (%d bytes resident)", job_id,
+                 self.resident_kv_bytes)
 
     @staticmethod
     def _token_ids(loaded: LoadedModel, raw: dict[str, bytes]) -> list[int]:
@@ -449,4 +470,5 @@ class PrefillWorker(SimpleWorker):
 
     def _drop(self, active: ActiveJob) -> None:
         self.active.pop(active.job_id, None)
+        self._room_needed = False
         self.connection.srem(keys.worker_jobs(self.name), active.job_id)
