@@ -106,8 +106,46 @@ class Attention(nn.Module):
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
                          offset=position)
         keys, values, mask = cache.update(k, v, position)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        if isinstance(mask, mx.array) and L > cache.spec.window:
+            out = blocked_window_attention(q, keys, values, self.scale, position,
+                                           cache.spec.window)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
+                                                       mask=mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def blocked_window_attention(
+    q: mx.array, keys: mx.array, values: mx.array, scale: float, position: int, window: int
+) -> mx.array:
+    """Sliding-window attention of a long chunk, one window of queries at a time.
+
+    A (L, n_prev + L) masked attention computes every score and discards all but `window`
+    per row; blocks of `window` queries against their own 2 * window - 1 keys compute the
+    same softmax over the same keys with (L + window) / (2 * window) of the work (2.5x
+    less for a 2,048-token chunk and a 512-token window).
+
+    Args:
+        q: ``(B, heads, L, head_dim)``, queries at positions ``[position, position + L)``.
+        keys, values: ``(B, kv_heads, n_prev + L, head_dim)`` from `RingKVCache.update`,
+            the first at position ``position - n_prev`` with ``n_prev = min(position,
+            window - 1)``.
+    Returns:
+        ``(B, heads, L, head_dim)``.
+    """
+    L = q.shape[2]
+    k_start = position - (keys.shape[2] - L)
+    outs = []
+    for i0 in range(0, L, window):
+        i1 = min(i0 + window, L)
+        lo = max(k_start, position + i0 - window + 1) - k_start
+        hi = position + i1 - k_start
+        q_pos = mx.arange(position + i0, position + i1)[:, None]
+        k_pos = mx.arange(k_start + lo, k_start + hi)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[:, :, i0:i1], keys[:, :, lo:hi], values[:, :, lo:hi], scale=scale, mask=mask))
+    return mx.concatenate(outs, axis=2)
 
 
 class MLP(nn.Module):
