@@ -27,6 +27,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.I32,  # returned as int32, not dequantized
     }
 )
 
@@ -82,7 +83,7 @@ class GGUFFile:
         return self.metadata[key]
 
     def tensor(self, name: str) -> np.ndarray:
-        """Tensor `name` dequantized to float32, in row-major numpy order.
+        """Tensor `name` dequantized to float32 (I32 tensors: int32), in row-major numpy order.
 
         GGUF lists dimensions innermost first (``ne0, ne1``); the returned array is
         ``(ne1, ne0)``, i.e. a linear layer's weight comes back as ``(out, in)``.
@@ -99,6 +100,8 @@ class GGUFFile:
                 f"{tensor.tensor_type.name}"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.tensor_type == GGMLQuantizationType.I32:  # integer tables (e.g. tid2eid)
+            return np.ascontiguousarray(tensor.data, dtype=np.int32).reshape(shape)
         values = dequantize(tensor.data, tensor.tensor_type)
         return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
