@@ -14,7 +14,7 @@ BLAS_GLOB := /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 endif
 
-.PHONY: install run test bench lint system-deps clean
+.PHONY: install run test bench bench-quick lint system-deps clean
 
 install: $(VENV)/.installed
 
@@ -43,7 +43,12 @@ test: install
 	$(RUN_ENV) $(BIN)/python -m pytest -q
 
 bench: install
-	$(RUN_ENV) $(BIN)/python -m bench --json
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench
+
+bench-quick: install
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(RUN_ENV) $(BIN)/python -m bench --quick --json
 
 lint: install
 	$(BIN)/pip install --quiet ruff

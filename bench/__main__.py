@@ -1,0 +1,74 @@
+"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from .common import Recorder, log
+
+QUICK_TOKENS = 4096
+
+
+def _context() -> dict:
+    import mlx.core as mx
+
+    from worker.blas import loaded_blas
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"date": datetime.date.today().isoformat(), "commit": commit,
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "device": str(mx.default_device()), "mlx": mx.__version__,
+            "blas": ",".join(loaded_blas()) or "platform"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="~5 minutes: a 4K-token prompt")
+    p.add_argument("--json", action="store_true", help="one JSON line per measurement")
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
+    args = p.parse_args(argv)
+
+    from worker.blas import ensure_blas
+
+    ensure_blas()
+    from model.registry import load_model
+
+    from . import memory, prefill, queue
+
+    context = _context()
+    rec = Recorder(args.json, context)
+    log(f"bench: {json.dumps(context)}")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    rec("load_seconds", loaded.load_seconds, "s", model=loaded.name)
+
+    n = QUICK_TOKENS
+    repeats = 1 if args.quick else 2
+    prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
+    prefill.chunked_over_one_pass(rec, loaded, n, repeats)
+    queue.queue_over_in_process(rec, loaded, n)
+    prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
+    queue.short_wait_over_chunk_time(rec, loaded, n)
+    memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
+    if not args.quick:
+        prefill.curves(rec, loaded, lengths=[1024, 2048, 4096, 8192, 16_384, 32_768],
+                       chunk_sizes=[128, 256, 512, 1024, 2048, 4096, 8192],
+                       chunk_curve_n=8192)
+    rec("bench_seconds", time.perf_counter() - t0, "s", quick=args.quick)
+    if args.plots:
+        from .plots import write_plots
+
+        write_plots(rec.records, context, args.plots)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Absolute prefill throughput on a GPU (bf16, random weights), and model FLOPs utilisation.
+
+    python -m bench.gpu [--quick]     # one JSON line per measurement
+
+Throughput does not depend on weight values (routing aside), so the models are built at the
+real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
+(causal, windowed attention as the model defines it, not what a kernel computes under a
+mask) against a bf16 matmul ceiling measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+
+from model import gemma3
+from model.prefill import start_prefill
+
+from .common import Recorder, log
+
+# The practical bf16 ceiling measured with PyTorch on an H200 (shared/GPU.md).
+TORCH_BF16_CEILING_TFLOPS = 790.0
+
+GEMMA3_270M = gemma3.ModelArgs(
+    hidden_size=640, num_hidden_layers=18, intermediate_size=2048, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, vocab_size=262_144, rms_norm_eps=1e-6,
+    sliding_window=512, rope_theta=1_000_000.0, context_length=32_768,
+)
+
+
+def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n)).astype(mx.bfloat16)
+    mx.eval(a, b)
+    for _ in range(3):
+        mx.eval(a @ b)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ b)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e12
+
+
+def gemma3_flops(args: gemma3.ModelArgs, n: int) -> float:
+    """Useful FLOPs of a prefill of `n` tokens: 2 x linear params per token, plus QK and PV
+    over the keys each query may see (the window in sliding layers), plus the head once."""
+    h, hd, nh, kv = args.hidden_size, args.head_dim, args.num_attention_heads, \
+        args.num_key_value_heads
+    linear = 2 * h * nh * hd + 2 * h * kv * hd + 3 * h * args.intermediate_size
+    total = 2 * linear * args.num_hidden_layers * n
+    for layer in range(args.num_hidden_layers):
+        if args.is_sliding(layer):
+            seen = sum(min(p + 1, args.sliding_window) for p in range(n))
+        else:
+            seen = n * (n + 1) // 2
+        total += 2 * 2 * nh * hd * seen
+    return total + 2 * h * args.vocab_size
+
+
+def gemma3_model(dtype=mx.bfloat16) -> gemma3.Model:
+    model = gemma3.Model(GEMMA3_270M)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def prefill_seconds(model, n: int, chunk: int | None, repeats: int) -> float:
+    ids = mx.random.randint(0, model.args.vocab_size, (n,)).tolist()
+    times = []
+    for _ in range(repeats + 1):  # the first run compiles kernels and warms the allocator
+        t0 = time.perf_counter()
+        prefill = start_prefill(model, ids, vocab_size=model.args.vocab_size,
+                                context_length=model.args.context_length, chunk_tokens=chunk,
+                                kv_dtype=mx.bfloat16)
+        prefill.run()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    rec = Recorder(True, {})
+    log(f"device {mx.default_device()}, mlx {mx.__version__}")
+    ceiling = matmul_tflops()
+    rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
+    model = gemma3_model()
+    cases = [(8192, 2048), (8192, 8192), (32_768, 2048), (32_768, 8192)]
+    if args.quick:
+        cases = cases[:1]
+    for n, chunk in cases:
+        log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
+        seconds = prefill_seconds(model, n, chunk, repeats=2)
+        flops = gemma3_flops(GEMMA3_270M, n)
+        rec("gpu_prefill_tok_s", n / seconds, "tok/s", model="gemma3-270m shapes",
+            dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
+            tflops=round(flops / seconds / 1e12, 2),
+            mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
+            mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""In-process prefill: chunked vs one pass, our forward vs mlx-lm's, and the cost curves."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from model.planner import DEFAULT_CHUNK_TOKENS
+from model.registry import LoadedModel
+
+from .common import Recorder, log, prompt_ids, timed
+
+
+def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | None,
+                    repeats: int = 1) -> tuple[float, int]:
+    """Median seconds of a whole prefill (plan, chunks, final logits) and its chunk count."""
+
+    def run():
+        prefill = loaded.start_prefill(ids, chunk_tokens)
+        prefill.run()
+        return prefill.chunks_done
+
+    seconds, chunks = timed(run, repeats)
+    mx.clear_cache()
+    return seconds, chunks
+
+
+def chunked_over_one_pass(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
+    ids = prompt_ids(n)
+    log(f"chunked vs one pass, {n} tokens")
+    chunked, chunks = prefill_seconds(loaded, ids, None, repeats)
+    one_pass, _ = prefill_seconds(loaded, ids, n, repeats)
+    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=chunks,
+        chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
+        floor=0.95)
+
+
+# -- mlx-lm on the same weights ------------------------------------------------------------
+
+
+def _mlx_lm_gemma3(loaded: LoadedModel):
+    """mlx-lm's `gemma3_text.Model` sharing our dequantized arrays (its norms add the +1
+    that llama.cpp's GGUF already folded in, so we subtract it)."""
+    from mlx_lm.models import gemma3_text
+
+    a = loaded.model.args
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=a.hidden_size,
+        num_hidden_layers=a.num_hidden_layers, intermediate_size=a.intermediate_size,
+        num_attention_heads=a.num_attention_heads, head_dim=a.head_dim,
+        rms_norm_eps=a.rms_norm_eps, vocab_size=a.vocab_size,
+        num_key_value_heads=a.num_key_value_heads, rope_theta=a.rope_theta,
+        rope_local_base_freq=a.rope_local_base_freq, query_pre_attn_scalar=a.head_dim,
+        sliding_window=a.sliding_window, sliding_window_pattern=a.sliding_window_pattern,
+        max_position_embeddings=a.context_length,
+    )
+    model = gemma3_text.Model(args)
+    names = {
+        "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
+        "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
+        "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
+        "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+        "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
+        "mlp.ffn_down": "mlp.down_proj",
+    }
+    weights = {}
+    for name, value in nn.utils.tree_flatten(loaded.model.parameters()):
+        if name == "token_embd.weight":
+            weights["model.embed_tokens.weight"] = value
+        elif name == "output_norm.weight":
+            weights["model.norm.weight"] = value - 1
+        else:
+            _, layer, rest = name.split(".", 2)
+            module, _, param = rest.rpartition(".")
+            target = f"model.layers.{layer}.{names[module]}.{param}"
+            weights[target] = value - 1 if "norm" in module else value
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def forward_over_mlx_lm(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
+    """Our prefill vs mlx-lm's `generate_step` prefill (its loop, its caches and masks) on the
+    same arrays, same MLX and BLAS, same process, both at the 2,048-token step."""
+    from mlx_lm.generate import generate_step
+
+    ids = prompt_ids(n)
+    theirs_model = _mlx_lm_gemma3(loaded)
+
+    def theirs():
+        prompt = mx.array(ids)
+        for _ in generate_step(prompt, theirs_model, max_tokens=1,
+                               prefill_step_size=DEFAULT_CHUNK_TOKENS):
+            break
+
+    log(f"ours vs mlx-lm, {n} tokens")
+    mlx_lm_s, _ = timed(theirs, repeats)
+    mx.clear_cache()
+    ours_s, _ = prefill_seconds(loaded, ids, DEFAULT_CHUNK_TOKENS, repeats)
+    rec("forward_over_mlx_lm", mlx_lm_s / ours_s, "ratio", n_tokens=n,
+        ours_tok_s=round(n / ours_s, 1), mlx_lm_tok_s=round(n / mlx_lm_s, 1),
+        chunk_tokens=DEFAULT_CHUNK_TOKENS, floor=0.95)
+
+
+def curves(rec: Recorder, loaded: LoadedModel, lengths: list[int], chunk_sizes: list[int],
+           chunk_curve_n: int) -> None:
+    for n in lengths:
+        log(f"tokens/s vs prompt length: {n}")
+        seconds, chunks = prefill_seconds(loaded, prompt_ids(n), None)
+        rec("tok_s_vs_prompt_length", n / seconds, "tok/s", n_tokens=n, chunks=chunks)
+    ids = prompt_ids(chunk_curve_n)
+    for size in chunk_sizes:
+        log(f"tokens/s vs chunk size: {size}")
+        seconds, chunks = prefill_seconds(loaded, ids, size)
+        rec("tok_s_vs_chunk_size", chunk_curve_n / seconds, "tok/s", chunk_tokens=size,
+            n_tokens=chunk_curve_n, chunks=chunks)

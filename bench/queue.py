@@ -1,0 +1,130 @@
+"""Through the queue: end-to-end vs in-process prefill, and how long a short job waits
+behind a long one. A real redis-server (started here) and an in-process worker."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import redis
+
+from jobs import PrefillClient
+from model.registry import LoadedModel
+from worker.worker import PrefillWorker
+
+from .common import Recorder, log, prompt_ids
+from .prefill import prefill_seconds
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port (persistence off)."""
+
+    def __enter__(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.dir = tempfile.TemporaryDirectory()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(200):
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return self.url
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.dir.cleanup()
+
+
+def _worker(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, PrefillClient]:
+    worker = PrefillWorker({loaded.name: loaded}, redis.Redis.from_url(url), name="bench",
+                           **kwargs)
+    worker.register_models()
+    return worker, PrefillClient.from_url(url)
+
+
+def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int) -> None:
+    """Submit -> finished through Redis and the worker loop, vs `Prefill.run` in process."""
+    ids = prompt_ids(n)
+    log(f"queue vs in-process, {n} tokens")
+    in_process, chunks = prefill_seconds(loaded, ids, None)
+    with RedisServer() as url:
+        worker, client = _worker(url, loaded)
+        t0 = time.perf_counter()
+        job = client.submit(tokens=ids, model=loaded.name, top_k=5)
+        worker.work(burst=True, logging_level="WARNING")
+        result = client.result(job, timeout=0)
+        end_to_end = time.perf_counter() - t0
+    overhead_ms = (end_to_end - in_process) / chunks * 1e3
+    rec("queue_over_in_process", in_process / end_to_end, "ratio", n_tokens=n, chunks=chunks,
+        queue_tok_s=round(n / end_to_end, 1), in_process_tok_s=round(n / in_process, 1),
+        per_chunk_overhead_ms=round(overhead_ms, 2), floor=0.90)
+    assert result.chunks_done == chunks
+
+
+def _latency(client: PrefillClient, job: str) -> float:
+    status = client.status(job)
+    return status.finished_at - status.enqueued_at
+
+
+# When each short job arrives, as a fraction of the long job's chunk in progress.
+ARRIVALS = (0.2, 0.5, 0.8)
+
+
+def short_wait_over_chunk_time(rec: Recorder, loaded: LoadedModel, n_long: int,
+                               chunk_tokens: int = 512, n_short: int = 64) -> None:
+    """(short latency under a long prefill - short latency idle) / the long job's mean chunk
+    time. Shorts arrive 20%, 50% and 80% into three of the long job's chunks."""
+    log(f"short job under a {n_long}-token prefill in {chunk_tokens}-token chunks")
+    short_ids = prompt_ids(n_short)
+    with RedisServer() as url:
+        worker, client = _worker(url, loaded, chunk_tokens=chunk_tokens)
+        idle = []
+        for _ in ARRIVALS:
+            job = client.submit(tokens=short_ids, model=loaded.name, top_k=1)
+            worker.work(burst=True, logging_level="WARNING")
+            idle.append(_latency(client, job))
+
+        long_job = client.submit(tokens=prompt_ids(n_long), model=loaded.name, top_k=1)
+        submitted: list[str] = []
+
+        def submit_shorts() -> None:
+            watcher, last = PrefillClient.from_url(url), None
+            for status in watcher.watch(long_job, timeout=3600):
+                if len(submitted) == len(ARRIVALS):
+                    return
+                if last is not None and status.chunks_done > last.chunks_done >= 0:
+                    chunk_s = status.updated_at - last.updated_at
+                    time.sleep(ARRIVALS[len(submitted)] * chunk_s)
+                    submitted.append(
+                        watcher.submit(tokens=short_ids, model=loaded.name, top_k=1))
+                last = status
+
+        thread = threading.Thread(target=submit_shorts, daemon=True)
+        thread.start()
+        worker.work(burst=True, logging_level="WARNING")
+        thread.join(timeout=60)
+        worker.work(burst=True, logging_level="WARNING")  # shorts that came after the last
+        result = client.result(long_job, timeout=0)
+        chunk_s = result.timings["compute_s"] / result.chunks_done
+        under_load = [_latency(client, j) for j in submitted]
+    mean_idle = sum(idle) / len(idle)
+    waits = [(lat - mean_idle) / chunk_s for lat in under_load]
+    rec("short_wait_over_chunk_time", sum(waits) / len(waits), "ratio",
+        max_wait_chunks=round(max(waits), 3), shorts=len(waits), n_long=n_long,
+        long_chunk_tokens=chunk_tokens, long_chunk_s=round(chunk_s, 3), n_short=n_short,
+        idle_latency_s=round(mean_idle, 3), ceiling=1.5)
