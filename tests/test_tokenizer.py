@@ -250,9 +250,9 @@ def test_unsupported_model_raises(model):
         Tokenizer.from_gguf_metadata(meta)
 
 
-def test_gpt2_model_not_supported_yet():
+def test_gpt2_model_without_merges_raises():
     meta = _tiny_metadata({"a": -1.0}, **{"tokenizer.ggml.model": "gpt2"})
-    with pytest.raises(TokenizerError, match="'gpt2' is not supported yet"):
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.merges"):
         Tokenizer.from_gguf_metadata(meta)
 
 
