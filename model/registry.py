@@ -13,16 +13,17 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import gemma3
+from . import deepseek4, deepseek4_cache, gemma3
+from .cache import plan_cache
 from .loader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .prefill import Prefill, PrefillModel, start_prefill
-from .synthetic import tiny_gemma3_path
+from .synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"
 
 # architecture name in the GGUF -> module with `load(gguf, dtype) -> Model`
-ARCHITECTURES = {gemma3.ARCHITECTURE: gemma3}
+ARCHITECTURES = {gemma3.ARCHITECTURE: gemma3, deepseek4.ARCHITECTURE: deepseek4}
 
 
 class UnknownModel(KeyError):
@@ -40,6 +41,13 @@ BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
     DEFAULT_MODEL: _gemma3_270m,
     # random weights, 64 wide, 16-token window: for fast process-level tests
     "gemma3-tiny": tiny_gemma3_path,
+    # random weights, DeepSeek-V4 equations at small dims (docs/deepseek4-tiny.md)
+    "deepseek4-tiny": tiny_deepseek4_path,
+}
+
+# Models known by their config alone (no weights here): `plan_for` only.
+CONFIG_ONLY_MODELS: dict[str, Callable[[], deepseek4.ModelArgs]] = {
+    "deepseek4-flash": deepseek4.flash_args,
 }
 
 
@@ -95,6 +103,8 @@ def resolve(spec: str) -> tuple[str, Path, str | None]:
     name, sep, path = spec.partition("=")
     if sep:
         return name, Path(path).expanduser(), None
+    if name in CONFIG_ONLY_MODELS:
+        raise UnknownModel(f"{name} has no weights here (config only: use `prefillq plan`)")
     if name not in BUILTIN_MODELS:
         known = ", ".join(sorted(BUILTIN_MODELS))
         raise UnknownModel(f"unknown model {name!r}; known: {known} (or NAME=/path/file.gguf)")
@@ -139,3 +149,31 @@ def load_model(
         path=path,
         load_seconds=time.perf_counter() - t0,
     )
+
+
+def plan_for(spec: str, context_length: int | None = None, kv_dtype: mx.Dtype = mx.bfloat16):
+    """Cache plan of a model by name from its config or GGUF metadata (weights are not read).
+
+    Args:
+        context_length: tokens to plan for (default: the model's context length).
+        kv_dtype: KV row dtype (default bf16, the seeds' storage type).
+    Returns:
+        a `deepseek4_cache.Deepseek4CachePlan` or a `cache.CachePlan`: both have
+        ``n_layers``, ``context_length``, ``kv_dtype``, ``bytes_per_token``, ``fixed_bytes``
+        and ``resident_bytes``.
+    Raises:
+        UnknownModel, GGUFError, and the plan's errors (e.g. an empty or too long context).
+    """
+    if spec in CONFIG_ONLY_MODELS:
+        architecture, args = deepseek4.ARCHITECTURE, CONFIG_ONLY_MODELS[spec]()
+    else:
+        _, path, _ = resolve(spec)
+        gguf = read_gguf(path)
+        if gguf.architecture not in ARCHITECTURES:
+            raise GGUFError(f"{path.name}: unsupported architecture {gguf.architecture!r}")
+        architecture = gguf.architecture
+        args = ARCHITECTURES[architecture].ModelArgs.from_gguf(gguf)
+    ctx = args.context_length if context_length is None else context_length
+    if architecture == deepseek4.ARCHITECTURE:
+        return deepseek4_cache.plan(args, ctx, kv_dtype)
+    return plan_cache(args.layer_specs(), ctx, kv_dtype)

@@ -95,3 +95,36 @@ def test_openblas_coretype_follows_cpu_flags():
     assert openblas_coretype(cpuinfo("avx2 fma avx512f")) == "Haswell"
     assert openblas_coretype(cpuinfo("avx")) is None
     assert openblas_coretype("") is None
+
+
+def test_plan_deepseek4_flash_without_weights():
+    proc = prefillq("plan", "--model", "deepseek4-flash", "--context", "131072", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = last_json(proc.stdout)
+    assert plan["bytes_per_token"] == 6880  # 21 x (256 + 64) + 20 x 8
+    assert (plan["n_layers"], plan["context_length"]) == (43, 131072)
+    assert plan["resident_bytes"] == plan["fixed_bytes"] + 6880 * 131072
+    assert set(plan) >= {"n_layers", "context_length", "bytes_per_token", "fixed_bytes",
+                         "resident_bytes"}
+
+
+def test_plan_gemma3_from_gguf_metadata():
+    proc = prefillq("plan", "--model", "gemma3-270m", "--context", "8192", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = last_json(proc.stdout)
+    assert plan["bytes_per_token"] == 3 * 2 * 256 * 2  # 3 global layers, K and V, bf16
+    assert plan["fixed_bytes"] == 15 * 512 * 2 * 256 * 2  # 15 rings of 512 rows
+
+
+def test_run_deepseek4_tiny_chunked_equals_one_pass():
+    text = "The number 7 is odd. " * 30
+    runs = [last_json(prefillq("run", text, "--model", "deepseek4-tiny", "--json", "--quiet",
+                               "--top-k", "3", *extra).stdout)
+            for extra in ((), ("--chunk-tokens", "7"))]
+    one_pass, chunked = runs
+    assert one_pass["state"] == chunked["state"] == "finished"
+    assert one_pass["chunks"] == 1 and chunked["chunks"] == -(-chunked["n_tokens"] // 7)
+    assert [t["id"] for t in one_pass["top_k"]] == [t["id"] for t in chunked["top_k"]]
+    tol = 1e-3 * max(abs(t["logit"]) for t in one_pass["top_k"])
+    for a, b in zip(one_pass["top_k"], chunked["top_k"], strict=True):
+        assert abs(a["logit"] - b["logit"]) <= tol

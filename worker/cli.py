@@ -260,6 +260,42 @@ def cmd_result(args: argparse.Namespace) -> int:
     return _finish(client, args.job, args.json)
 
 
+PLAN_FIELDS = ("n_layers", "context_length", "kv_dtype", "bytes_per_token", "fixed_bytes",
+               "resident_bytes")
+KV_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print a model's cache plan, from its config or GGUF metadata (no weights loaded)."""
+    import mlx.core as mx
+
+    from model.registry import UnknownModel, plan_for
+
+    if args.context is not None and args.context < 1:
+        raise CLIError(f"--context must be at least 1, got {args.context}")
+    try:
+        plan = plan_for(args.model, args.context, getattr(mx, args.kv_dtype))
+    except UnknownModel as e:
+        raise CLIError(str(e.args[0])) from e
+    record = {"model": args.model, **{k: getattr(plan, k) for k in PLAN_FIELDS}}
+    record["kv_dtype"] = args.kv_dtype
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"{args.model}: {plan.n_layers} layers, context {plan.context_length} tokens, "
+          f"{args.kv_dtype} KV rows")
+    for i, layer in enumerate(plan.layers):
+        buffers = getattr(layer, "buffers", None)
+        detail = (", ".join(f"{b.kind} {list(b.shape)}" for b in buffers) if buffers
+                  else f"{layer.kind} {layer.rows} rows x {layer.row_bytes} B")
+        ratio = getattr(layer, "compress_ratio", None)
+        label = f"layer {i:>2}" + (f" (ratio {ratio})" if ratio is not None else "")
+        print(f"  {label}: {detail}")
+    print(f"bytes/token {plan.bytes_per_token}, fixed {plan.fixed_bytes:,} B, "
+          f"resident {plan.resident_bytes:,} B ({plan.resident_bytes / 2**30:.3f} GiB)")
+    return 0
+
+
 def _add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--redis", required=required, default=None,
                    help=f"Redis URL (default ${REDIS_URL_ENV} or redis://localhost:6379/0)")
@@ -313,6 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--priority", type=int, default=0)
     submit.add_argument("--chunk-tokens", type=int)
     submit.set_defaults(func=cmd_submit)
+
+    plan = sub.add_parser("plan", help="print a model's KV cache plan (no weights needed)")
+    plan.add_argument("--model", default=DEFAULT_MODEL,
+                      help="registry name (deepseek4-flash: config only) or NAME=/path.gguf")
+    plan.add_argument("--context", type=int, help="tokens to plan for (default: the model's)")
+    plan.add_argument("--kv-dtype", choices=KV_DTYPES, default="bfloat16",
+                      help="KV row dtype (default %(default)s; compressor state is float32)")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
 
     reaper = sub.add_parser("reap", help="one pass of the dead-worker reaper")
     _add_redis(reaper)
