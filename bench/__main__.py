@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     rec("load_seconds", loaded.load_seconds, "s", model=loaded.name)
 
     n = QUICK_TOKENS
-    repeats = 1 if args.quick else 2
+    repeats = 2 if args.quick else 3
     prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
     prefill.chunked_over_one_pass(rec, loaded, n, repeats)
-    queue.queue_over_in_process(rec, loaded, n)
+    queue.queue_over_in_process(rec, loaded, n, repeats)
     prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
     queue.short_wait_over_chunk_time(rec, loaded, n)
     memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)

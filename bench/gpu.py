@@ -78,9 +78,61 @@ def prefill_seconds(model, n: int, chunk: int | None, repeats: int) -> float:
     return min(times[1:])
 
 
+def deepseek4_flops(args, n: int) -> float:
+    """Useful FLOPs of a DeepSeek-V4 prefill of `n` tokens (research doc §2-3b): every
+    projection once per token (routed experts: the `num_experts_per_tok` chosen), attention
+    over the window plus the compressed rows a query may see (top-k of them on ratio-4
+    layers), the indexer's scores over all visible ratio-4 rows, and the head once."""
+    h, nh, hd, qr = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank
+    hc = args.hc_mult
+    mix = 2 * hc * h * (2 + hc) * hc  # both mHC sub-layers' mixes
+    dense = (h * qr + qr * nh * hd + h * hd + args.o_groups * args.o_lora_rank * nh * hd
+             // args.o_groups + h * args.o_groups * args.o_lora_rank)
+    moe = h * args.n_routed_experts + 3 * h * args.moe_intermediate_size * (
+        args.num_experts_per_tok + args.n_shared_experts)
+    total = 0.0
+    for ratio in args.compress_ratios[: args.num_hidden_layers]:
+        linear = dense + moe
+        seen = sum(min(p + 1, args.sliding_window) for p in range(n))
+        index = 0
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            linear += 2 * h * coff * hd
+            rows = [(p + 1) // ratio for p in range(n)]
+            if ratio == 4:
+                linear += qr * args.index_n_heads * args.index_head_dim + h * args.index_n_heads
+                linear += 2 * h * 2 * args.index_head_dim
+                index = 2 * args.index_n_heads * args.index_head_dim * sum(rows)
+                seen += sum(min(r, args.index_topk) for r in rows)
+            else:
+                seen += sum(rows)
+        total += 2 * linear * n + mix * n + 2 * 2 * nh * hd * seen + index
+    return total + 2 * hc * h * hc + 2 * h * args.vocab_size
+
+
+def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: int) -> None:
+    from model import deepseek4
+
+    args = deepseek4.flash_args()
+    log(f"deepseek4-flash shapes, {n_layers} layers (random weights, bf16)")
+    t0 = time.perf_counter()
+    model = deepseek4.dummy_model(args, n_layers=n_layers, dtype=mx.bfloat16)
+    build_s = time.perf_counter() - t0
+    seconds = prefill_seconds(model, n, chunk, repeats=2)
+    flops = deepseek4_flops(model.args, n)
+    rec("gpu_prefill_tok_s", n / seconds, "tok/s", model="deepseek4-flash shapes",
+        layers=n_layers, ratios=list(model.args.compress_ratios), dtype="bfloat16",
+        n_tokens=n, chunk_tokens=chunk, build_s=round(build_s, 1),
+        tflops=round(flops / seconds / 1e12, 2),
+        mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
+        mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--deepseek4-layers", type=int, default=4,
+                   help="layers of DeepSeek-V4-Flash to build (0: skip)")
     args = p.parse_args(argv)
     rec = Recorder(True, {})
     log(f"device {mx.default_device()}, mlx {mx.__version__}")
@@ -99,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
             tflops=round(flops / seconds / 1e12, 2),
             mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
             mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
+    del model
+    mx.clear_cache()
+    if args.deepseek4_layers:
+        for n, chunk in ((8192, 2048),) if args.quick else ((8192, 2048), (32_768, 2048)):
+            deepseek4_case(rec, ceiling, args.deepseek4_layers, n, chunk)
     return 0
 
 

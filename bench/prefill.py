@@ -8,7 +8,7 @@ import mlx.nn as nn
 from model.planner import DEFAULT_CHUNK_TOKENS
 from model.registry import LoadedModel
 
-from .common import Recorder, log, prompt_ids, timed
+from .common import Recorder, interleaved, log, prompt_ids, timed
 
 
 def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | None,
@@ -27,12 +27,13 @@ def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | Non
 
 def chunked_over_one_pass(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
     ids = prompt_ids(n)
-    log(f"chunked vs one pass, {n} tokens")
-    chunked, chunks = prefill_seconds(loaded, ids, None, repeats)
-    one_pass, _ = prefill_seconds(loaded, ids, n, repeats)
-    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=chunks,
+    log(f"chunked vs one pass, {n} tokens, {repeats} alternating runs each")
+    chunked, one_pass = interleaved(lambda: prefill_seconds(loaded, ids, None),
+                                    lambda: prefill_seconds(loaded, ids, n), repeats)
+    chunks = loaded.start_prefill(ids).plan.chunk_sizes
+    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=len(chunks),
         chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
-        floor=0.95)
+        repeats=repeats, floor=0.95)
 
 
 # -- mlx-lm on the same weights ------------------------------------------------------------
@@ -94,13 +95,12 @@ def forward_over_mlx_lm(rec: Recorder, loaded: LoadedModel, n: int, repeats: int
                                prefill_step_size=DEFAULT_CHUNK_TOKENS):
             break
 
-    log(f"ours vs mlx-lm, {n} tokens")
-    mlx_lm_s, _ = timed(theirs, repeats)
-    mx.clear_cache()
-    ours_s, _ = prefill_seconds(loaded, ids, DEFAULT_CHUNK_TOKENS, repeats)
+    log(f"ours vs mlx-lm, {n} tokens, {repeats} alternating runs each")
+    ours_s, mlx_lm_s = interleaved(
+        lambda: prefill_seconds(loaded, ids, DEFAULT_CHUNK_TOKENS), theirs, repeats)
     rec("forward_over_mlx_lm", mlx_lm_s / ours_s, "ratio", n_tokens=n,
         ours_tok_s=round(n / ours_s, 1), mlx_lm_tok_s=round(n / mlx_lm_s, 1),
-        chunk_tokens=DEFAULT_CHUNK_TOKENS, floor=0.95)
+        chunk_tokens=DEFAULT_CHUNK_TOKENS, repeats=repeats, floor=0.95)
 
 
 def curves(rec: Recorder, loaded: LoadedModel, lengths: list[int], chunk_sizes: list[int],
