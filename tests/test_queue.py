@@ -183,3 +183,31 @@ def test_nothing_is_pickled_and_terminal_keys_expire(redis_conn, tiny):
     assert 0 < conn.ttl(keys.logits(done)) <= 60
     assert 0 < conn.ttl(keys.job(canceled)) <= 600
     assert conn.exists(keys.cancel(done)) == 0
+
+
+def test_deepseek4_tiny_runs_through_the_queue_like_gemma(redis_conn, caplog):
+    from model.registry import load_model
+
+    ds4 = load_model("deepseek4-tiny")
+    worker = PrefillWorker({"deepseek4-tiny": ds4}, redis_conn(), name="w1", chunk_tokens=37)
+    worker.register_models()
+    client = PrefillClient(redis_conn())
+    rng = np.random.default_rng(4)
+    ids_a = [0, *rng.integers(2, 299, size=159).tolist()]  # BOS is id 0 in this vocab
+    job_a = client.submit(tokens=ids_a, model="deepseek4-tiny", logits="full")
+    job_b = client.submit(prompt="The number 7 is odd. " * 12, model="deepseek4-tiny", top_k=3)
+    caplog.set_level(logging.INFO, logger="prefillq.worker")
+    worker.work(burst=True)
+
+    order = chunk_order(caplog)
+    assert order[:4] == [job_a, job_b, job_a, job_b], "the two jobs interleave"
+    expected = ds4.start_prefill(ids_a).run()  # one pass
+    got = np.frombuffer(client.result(job_a, timeout=0).logits, dtype=np.float32)
+    tol = TOL * np.abs(expected).max()
+    top2 = np.sort(expected)[-2:]
+    assert top2[1] - top2[0] > tol, "argmax margin too small for the check to mean anything"
+    assert np.abs(got - expected).max() <= tol
+    assert int(got.argmax()) == int(expected.argmax())
+    status_b = client.status(job_b)
+    assert status_b.state == JobState.FINISHED and status_b.chunks_done > 1
+    assert len(client.result(job_b, timeout=0).top_k) == 3
