@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 2 if args.quick else 3
     prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
     prefill.chunked_over_one_pass(rec, loaded, n, repeats)
-    queue.queue_over_in_process(rec, loaded, n, repeats)
+    queue.queue_over_in_process(rec, loaded, n, 1 if args.quick else repeats)
     prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
-    queue.short_wait_over_chunk_time(rec, loaded, n)
+    queue.short_wait_over_chunk_time(rec, loaded, n // 2 if args.quick else n)
     memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
     if not args.quick:
         prefill.curves(rec, loaded, lengths=[1024, 2048, 4096, 8192, 16_384, 32_768],
