@@ -25,7 +25,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .deepseek4_cache import OVERLAP_RATIO, Deepseek4Cache, LayerCache
-from .loader import GGUFError, GGUFFile
+from .loader import GGUFFile
+from .weights import load_gguf_weights
 
 ARCHITECTURE = "deepseek4"
 # Attention scores held at once per layer (elements): long chunks run in query blocks.
@@ -608,21 +609,7 @@ def load(gguf: GGUFFile, dtype: mx.Dtype = mx.float32) -> Model:
     Raises:
         GGUFError: a tensor is missing, has an unexpected shape or unsupported type.
     """
-    model = Model(ModelArgs.from_gguf(gguf))
-    weights = []
-    for name, param in nn.utils.tree_flatten(model.parameters()):
-        array = gguf.tensor(gguf_name(name))
-        if tuple(array.shape) != tuple(param.shape):
-            raise GGUFError(
-                f"{gguf.path.name}: tensor {gguf_name(name)!r} has shape "
-                f"{array.shape}, expected {param.shape}"
-            )
-        weights.append(
-            (name, mx.array(array).astype(param.dtype if param.dtype == mx.int32 else dtype))
-        )
-    model.load_weights(weights, strict=True)
-    mx.eval(model.parameters())
-    return model
+    return load_gguf_weights(Model(ModelArgs.from_gguf(gguf)), gguf, gguf_name, dtype)
 
 
 def dummy_model(

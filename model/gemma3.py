@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import LayerSpec, ModelCache
-from .loader import GGUFError, GGUFFile
+from .loader import GGUFFile
+from .weights import load_gguf_weights
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
@@ -231,14 +232,4 @@ def load(gguf: GGUFFile, dtype: mx.Dtype = mx.float32) -> Model:
     Raises:
         GGUFError: a tensor is missing, has an unexpected shape or unsupported type.
     """
-    model = Model(ModelArgs.from_gguf(gguf))
-    weights = []
-    for name, param in nn.utils.tree_flatten(model.parameters()):
-        array = gguf.tensor(gguf_name(name))
-        if array.shape != param.shape:
-            raise GGUFError(f"{gguf.path.name}: tensor {name!r} has shape {array.shape}, "
-                            f"expected {param.shape}")
-        weights.append((name, mx.array(array).astype(dtype)))
-    model.load_weights(weights, strict=True)
-    mx.eval(model.parameters())
-    return model
+    return load_gguf_weights(Model(ModelArgs.from_gguf(gguf)), gguf, gguf_name, dtype)

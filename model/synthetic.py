@@ -119,17 +119,7 @@ def cache_dir() -> Path:
 
 def tiny_gemma3_path() -> tuple[Path, str]:
     """The tiny Gemma 3 GGUF, written once (atomically: several workers may race)."""
-    target = cache_dir() / "gemma3-tiny-seed0.gguf"
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".gguf.tmp")
-        os.close(fd)
-        try:
-            write_tiny_gemma3(tmp)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target, file_sha256(target)
+    return _cached_model("gemma3-tiny-seed0.gguf", write_tiny_gemma3)
 
 
 # ---------------------------------------------------------------------------------------------
