@@ -27,6 +27,9 @@ class QueueFull(PrefillQError):
 class JobNotFound(PrefillQError, KeyError):
     """No such job (never submitted, or its record expired)."""
 
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""
+
 
 class JobFailed(PrefillQError):
     """`result` on a failed job. Attributes: ``error_type``, ``message``."""

@@ -25,6 +25,8 @@ MAX_ERROR_CHARS = 2000
 
 
 class JobState(str, Enum):
+    """A job's state; compares equal to, and prints as, its plain string value."""
+
     QUEUED = "queued"
     PREFILLING = "prefilling"
     FINISHED = "finished"
@@ -34,6 +36,9 @@ class JobState(str, Enum):
     @property
     def is_terminal(self) -> bool:
         return self in (JobState.FINISHED, JobState.FAILED, JobState.CANCELED)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class LogitsMode(str, Enum):

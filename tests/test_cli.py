@@ -63,7 +63,20 @@ def test_bad_input_exits_nonzero_with_a_message(redis_server):
     assert "prompt is empty" in proc.stderr
     proc = prefillq("status", "--redis", redis_server, "no-such-job")
     assert proc.returncode != 0
-    assert "no job" in proc.stderr
+    assert proc.stderr.strip() == (
+        "prefillq: error: no job 'no-such-job' (never submitted, or expired)")
+
+
+def test_unreachable_redis_is_a_one_line_error():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = prefillq("status", "--redis", f"redis://127.0.0.1:{port}/0", "abc")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefillq: error: cannot reach Redis")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux-only")

@@ -84,6 +84,17 @@ def blas_env() -> dict[str, str]:
     return env
 
 
+def blas_summary() -> str:
+    """One line naming the BLAS MLX runs on in this process (for logs)."""
+    if not sys.platform.startswith("linux"):
+        return "platform BLAS (Accelerate)"
+    preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if "blas" in p.lower()]
+    if preload:
+        core = os.environ.get("OPENBLAS_CORETYPE", "detected by OpenBLAS")
+        return f"{preload[0]} (preloaded; OpenBLAS core {core})"
+    return "MLX's bundled reference BLAS (~45x slower; see README)"
+
+
 def loaded_blas() -> list[str]:
     """BLAS libraries mapped into this process (Linux ``/proc/self/maps``)."""
     try:

@@ -38,6 +38,9 @@ class CLIError(Exception):
 def _load_models(specs: list[str], context_length: int | None) -> dict:
     from model.registry import load_model
 
+    from .blas import blas_summary
+
+    print(f"BLAS: {blas_summary()}", file=sys.stderr, flush=True)
     models = {}
     for spec in specs:
         print(f"loading {spec} ...", file=sys.stderr, flush=True)
@@ -130,7 +133,7 @@ def _finish(client: PrefillClient, job_id: str, as_json: bool) -> int:
     except (JobFailed, JobCanceled) as e:
         if as_json:
             _print_result(_result_record(status, None), True)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"prefillq: error: {e}", file=sys.stderr)
         return 1
     _print_result(_result_record(client.status(job_id), result), as_json)
     return 0
@@ -187,11 +190,11 @@ def worker_connection(url: str | None):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .blas import loaded_blas
+    from .blas import blas_summary
     from .worker import PrefillWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("BLAS: %s", ", ".join(loaded_blas()) or "none mapped (Accelerate or GPU)")
+    log.info("BLAS: %s", blas_summary())
     models = _load_models(args.model or [DEFAULT_MODEL], args.context)
     worker = PrefillWorker(
         models,
@@ -249,7 +252,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     changed = PrefillClient.from_url(args.redis).cancel(args.job)
-    print("cancel requested" if changed else "nothing to cancel (already terminal or pending)")
+    print("cancel requested" if changed else
+          "nothing to cancel: the job already ended, or a cancel is already pending")
     return 0
 
 
@@ -309,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("text", nargs="?", help=f"prompt text (default {SAMPLE_PROMPT!r})")
     run.add_argument("--prompt-file")
     run.add_argument("--model", default=DEFAULT_MODEL)
-    run.add_argument("--top-k", type=int, default=10)
-    run.add_argument("--chunk-tokens", type=int)
+    run.add_argument("--top-k", type=int, default=10, help="tokens to print (default 10)")
+    run.add_argument("--chunk-tokens", type=int,
+                     help="exact chunk size in tokens (default: 2,048, window-aligned)")
     run.add_argument("--json", action="store_true")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--wait", type=float, default=None, help="seconds to wait with --redis")
@@ -322,9 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name")
     worker.add_argument("--model", action="append",
                         help="model to serve: a registry name or NAME=/path.gguf (repeatable)")
-    worker.add_argument("--chunk-tokens", type=int)
-    worker.add_argument("--max-active", type=int, default=4)
-    worker.add_argument("--kv-budget-bytes", type=int)
+    worker.add_argument("--chunk-tokens", type=int,
+                        help="cap on chunk size in tokens (default: 2,048, window-aligned)")
+    worker.add_argument("--max-active", type=int, default=4,
+                        help="jobs resident at once, advanced round-robin (default 4)")
+    worker.add_argument("--kv-budget-bytes", type=int,
+                        help="admit no job whose KV cache would exceed this total")
     worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
@@ -343,11 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file")
     src.add_argument("--tokens-file", help="JSON array of token ids")
     submit.add_argument("--model", default=DEFAULT_MODEL)
-    submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
+    submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                        help=f"top next tokens to keep (default {DEFAULT_TOP_K})")
     submit.add_argument("--logits", choices=["none", "top_k", "full"], default="top_k")
-    submit.add_argument("--session")
-    submit.add_argument("--priority", type=int, default=0)
-    submit.add_argument("--chunk-tokens", type=int)
+    submit.add_argument("--session", help="session id (stored; prefix reuse comes later)")
+    submit.add_argument("--priority", type=int, default=0,
+                        help="higher is admitted first (default 0)")
+    submit.add_argument("--chunk-tokens", type=int, help="per-job cap on chunk size")
     submit.set_defaults(func=cmd_submit)
 
     plan = sub.add_parser("plan", help="print a model's KV cache plan (no weights needed)")
@@ -384,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         from .blas import ensure_blas
 
         ensure_blas()  # may re-exec this command with an optimized BLAS preloaded
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
     try:
         return args.func(args)
+    except RedisConnectionError as e:
+        print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)
+        return 2
     except (CLIError, PrefillQError, ValueError, OSError) as e:
         print(f"prefillq: error: {e}", file=sys.stderr)
         return 2

@@ -205,6 +205,10 @@ class PrefillWorker(SimpleWorker):
 
     def teardown(self) -> None:
         self.hand_back_active()
+        try:  # continuations of handed-back jobs: nobody holds their caches any more
+            self.sticky.delete(delete_jobs=True)
+        except Exception:
+            log.warning("could not delete sticky queue %s", self.sticky.name, exc_info=True)
         self._heartbeat_stop.set()
         try:
             self.connection.delete(keys.worker_heartbeat(self.name))
