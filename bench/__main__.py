@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON line per measurement")
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
+    p.add_argument("--curves-only", action="store_true",
+                   help="only the tokens/s curves (vs prompt length and vs chunk size)")
+    p.add_argument("--curve-max", type=int, default=32_768,
+                   help="longest prompt of the length curve (default %(default)s)")
+    p.add_argument("--chunk-curve-tokens", type=int, default=8192,
+                   help="prompt length of the chunk-size curve (default %(default)s)")
     args = p.parse_args(argv)
 
     from worker.blas import ensure_blas
@@ -53,15 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     n = QUICK_TOKENS
     repeats = 2 if args.quick else 3
     prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
-    prefill.chunked_over_one_pass(rec, loaded, n, repeats)
-    queue.queue_over_in_process(rec, loaded, n, 1 if args.quick else repeats)
-    prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
-    queue.short_wait_over_chunk_time(rec, loaded, n // 2 if args.quick else n)
-    memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
-    if not args.quick:
-        prefill.curves(rec, loaded, lengths=[1024, 2048, 4096, 8192, 16_384, 32_768],
+    if not args.curves_only:
+        prefill.chunked_over_one_pass(rec, loaded, n, repeats)
+        queue.queue_over_in_process(rec, loaded, n, 1 if args.quick else repeats)
+        prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
+        queue.short_wait_over_chunk_time(rec, loaded, n // 2 if args.quick else n)
+        memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
+    if args.curves_only or not args.quick:
+        lengths = [m for m in (1024, 2048, 4096, 8192, 16_384, 32_768) if m <= args.curve_max]
+        prefill.curves(rec, loaded, lengths=lengths,
                        chunk_sizes=[128, 256, 512, 1024, 2048, 4096, 8192],
-                       chunk_curve_n=8192)
+                       chunk_curve_n=args.chunk_curve_tokens)
     rec("bench_seconds", time.perf_counter() - t0, "s", quick=args.quick)
     if args.plots:
         from .plots import write_plots
