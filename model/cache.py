@@ -245,7 +245,55 @@ class CacheSnapshot:
     layers: tuple
 
 
-class ModelCache:
+class CommittedCache:
+    """Bookkeeping every architecture's cache shares (seeds 004: commit after success).
+
+    Subclasses set ``layers`` (each with ``reset()``), ``position`` and ``_poisoned`` in
+    ``__init__``, and define ``check_chunk(n_tokens)`` and ``state()``.
+    """
+
+    layers: list
+    position: int
+    _poisoned: bool
+
+    def __getitem__(self, i: int):
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_poisoned(self) -> bool:
+        return self._poisoned
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers allocated now."""
+        return sum(a.nbytes for a in self.state())
+
+    def check_chunk(self, n_tokens: int) -> None:
+        raise NotImplementedError
+
+    def state(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    def commit(self, n_tokens: int) -> None:
+        """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
+        self.check_chunk(n_tokens)
+        self.position += n_tokens
+
+    def poison(self) -> None:
+        self._poisoned = True
+
+    def reset(self) -> None:
+        """Back to position 0 and unpoisoned; every layer re-initializes its state."""
+        for layer in self.layers:
+            layer.reset()
+        self.position = 0
+        self._poisoned = False
+
+
+class ModelCache(CommittedCache):
     """One job's KV cache: a layer cache per attention layer and the committed position.
 
     The committed ``position`` is the prefill cursor: tokens ``[0, position)`` are in the
@@ -275,21 +323,11 @@ class ModelCache:
         self.position = 0
         self._poisoned = False
 
-    def __getitem__(self, i: int) -> GlobalKVCache | RingKVCache:
-        return self.layers[i]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
     @property
     def capacity(self) -> int:
         """Tokens the global buffers hold without growing (context length if none)."""
         caps = [layer.capacity for layer in self.layers if isinstance(layer, GlobalKVCache)]
         return min(caps) if caps else self.context_length
-
-    @property
-    def is_poisoned(self) -> bool:
-        return self._poisoned
 
     def plan(self, context_length: int | None = None) -> CachePlan:
         return plan_cache(self.specs, context_length or self.context_length, self.kv_dtype)
@@ -303,21 +341,6 @@ class ModelCache:
                 f"chunk of {n_tokens} tokens at position {self.position} exceeds the "
                 f"context length {self.context_length}"
             )
-
-    def commit(self, n_tokens: int) -> None:
-        """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
-        self.check_chunk(n_tokens)
-        self.position += n_tokens
-
-    def poison(self) -> None:
-        self._poisoned = True
-
-    def reset(self) -> None:
-        """Back to position 0 and unpoisoned; ring rows are cleared."""
-        for layer in self.layers:
-            layer.reset()
-        self.position = 0
-        self._poisoned = False
 
     def state(self) -> list[mx.array]:
         """Every buffer, for ``mx.eval`` after a chunk."""
@@ -335,8 +358,3 @@ class ModelCache:
             layer.restore(saved)
         self.position = snapshot.position
         self._poisoned = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffers allocated now."""
-        return sum(a.nbytes for a in self.state())

@@ -307,7 +307,7 @@ class Deepseek4CacheSnapshot:
 _COPIED_KINDS = ("window",) + STATE_KINDS
 
 
-class Deepseek4Cache:
+class Deepseek4Cache(base.CommittedCache):
     """One job's DeepSeek-V4 cache (the `model.cache.ModelCache` interface).
 
     Args:
@@ -346,23 +346,9 @@ class Deepseek4Cache:
         cap = cache_capacity_for_request(ctx, initial, max(capacity, 1), 1)
         return cls(args, plan(args, cap, kv_dtype), ctx)
 
-    def __getitem__(self, i: int) -> LayerCache:
-        return self.layers[i]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
     @property
     def capacity(self) -> int:
         return self._plan.context_length
-
-    @property
-    def is_poisoned(self) -> bool:
-        return self._poisoned
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state())
 
     def plan(self, context_length: int | None = None) -> Deepseek4CachePlan:
         if context_length is None:
@@ -394,18 +380,7 @@ class Deepseek4Cache:
         """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
         if self.position + n_tokens > self.capacity:
             raise ContextExhausted(f"DeepSeek-V4 cache is full at {self.capacity} tokens")
-        self.check_chunk(n_tokens)
-        self.position += n_tokens
-
-    def poison(self) -> None:
-        self._poisoned = True
-
-    def reset(self) -> None:
-        """Position 0, unpoisoned, compressor state re-initialized (rows hidden by position)."""
-        for layer in self.layers:
-            layer.reset()
-        self.position = 0
-        self._poisoned = False
+        super().commit(n_tokens)
 
     def snapshot(self) -> Deepseek4CacheSnapshot:
         """Rollback point at the current position (copies rings and compressor state)."""
