@@ -263,14 +263,7 @@ def _build_spm_bpe(
     )
     # llama.cpp cuts user-defined tokens out of the raw text before SPM even without special
     # parsing (this is how "  " becomes one space-run token), so they are added tokens too.
-    hf.add_special_tokens(_added_tokens(tokens, types, TOKEN_TYPE_CONTROL, special=True))
-    hf.add_tokens(_added_tokens(tokens, types, TOKEN_TYPE_USER_DEFINED, special=False))
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        hf.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, bos_id)]
-        )
-    return hf
+    return _with_added_tokens_and_bos(hf, tokens, types, {TOKEN_TYPE_CONTROL}, bos_id)
 
 
 def _added_tokens(
@@ -282,6 +275,28 @@ def _added_tokens(
         for t, ty in zip(tokens, types, strict=True)
         if ty == token_type
     ]
+
+
+def _with_added_tokens_and_bos(
+    hf: HFTokenizer,
+    tokens: list[str],
+    types: list[int],
+    special_types: set[int],
+    bos_id: int | None,
+) -> HFTokenizer:
+    """Add `special_types` tokens as special (matched only with special parsing), user-defined
+    tokens as always-matched added tokens, and BOS as a template, to `hf`."""
+    hf.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False)
+         for t, ty in zip(tokens, types, strict=True) if ty in special_types]
+    )
+    hf.add_tokens(_added_tokens(tokens, types, TOKEN_TYPE_USER_DEFINED, special=False))
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, bos_id)]
+        )
+    return hf
 
 
 def _score_ranked_merges(
@@ -444,16 +459,6 @@ def _build_byte_bpe(
     hf.decoder = decoders.ByteLevel()
     # llama.cpp cuts control and unknown tokens out of the text only with special parsing,
     # user-defined ones always.
-    special = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(tokens, types, strict=True)
-        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
-    ]
-    hf.add_special_tokens(special)
-    hf.add_tokens(_added_tokens(tokens, types, TOKEN_TYPE_USER_DEFINED, special=False))
-    if bos_id is not None:
-        bos = tokens[bos_id]
-        hf.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, bos_id)]
-        )
-    return hf
+    return _with_added_tokens_and_bos(
+        hf, tokens, types, {TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN}, bos_id
+    )
