@@ -3,6 +3,7 @@ at the buffer level (seeds 004 and 000). No weights: buffers are filled with ran
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import mlx.core as mx
@@ -12,35 +13,20 @@ import pytest
 from model import cache as base
 from model import deepseek4_cache as dc
 from model.deepseek4 import ModelArgs, flash_args
+from model.loader import read_gguf
+from model.synthetic import tiny_deepseek4_path
 
 FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8  # = 6,880 (DESIGN.md §7)
 
 
+@functools.cache
+def _tiny_gguf_args() -> ModelArgs:
+    return ModelArgs.from_gguf(read_gguf(tiny_deepseek4_path()[0]))
+
+
 def tiny_args(**overrides) -> ModelArgs:
-    """docs/deepseek4-tiny.md dims (the cache only reads the schedule and row widths)."""
-    args = ModelArgs(
-        hidden_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        head_dim=32,
-        rope_dim=8,
-        q_lora_rank=16,
-        o_lora_rank=16,
-        o_groups=2,
-        sliding_window=16,
-        compress_ratios=(0, 0, 4, 128, 4, 128),
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=3,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=32,
-        num_hash_layers=2,
-        vocab_size=299,
-        context_length=4096,
-    )
-    return replace(args, **overrides)
+    """The `deepseek4-tiny` config, read from its GGUF (docs/deepseek4-tiny.md)."""
+    return replace(_tiny_gguf_args(), **overrides)
 
 
 def test_flash_plan_bf16_bytes_per_token():
