@@ -77,6 +77,16 @@ def wait_for(predicate, timeout: float, message: str, worker: WorkerProcess | No
         time.sleep(0.05)
 
 
+def long_job_in_flight(client: PrefillClient, worker: WorkerProcess, seed: int,
+                       **submit) -> tuple[str, list[int]]:
+    """Submit a 2,000-token job (500 chunks of 4) and wait until `worker` is 10 chunks in."""
+    token_ids = ids(2000, seed)
+    job = client.submit(tokens=token_ids, model=MODEL, **submit)
+    wait_for(lambda: client.status(job).cursor >= 40, 60,
+             f"{worker.name} never advanced the job", worker)
+    return job, token_ids
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = RedisServer(tmp_path, appendonly=True).start()
@@ -106,9 +116,7 @@ def expected_top(tiny, token_ids, k):
 def test_sigkill_mid_prefill_then_a_second_worker_finishes_it(server, workers, tiny):
     client = PrefillClient.from_url(server.url)
     w1 = workers("w1")
-    token_ids = ids(2000, 0)  # 500 chunks of 4
-    job = client.submit(tokens=token_ids, model=MODEL, top_k=5, logits="full")
-    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    job, token_ids = long_job_in_flight(client, w1, 0, top_k=5, logits="full")
     w1.signal(signal.SIGKILL)
     w1.wait()
     killed_at = client.status(job)
@@ -128,9 +136,7 @@ def test_sigkill_mid_prefill_then_a_second_worker_finishes_it(server, workers, t
 def test_sigterm_hands_active_jobs_back_and_exits_zero(server, workers, tiny):
     client = PrefillClient.from_url(server.url)
     w1 = workers("w1")
-    token_ids = ids(2000, 1)
-    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    job, token_ids = long_job_in_flight(client, w1, 1, top_k=3)
     w1.signal(signal.SIGTERM)
     assert w1.wait() == 0
     status = client.status(job)
@@ -172,9 +178,7 @@ def test_three_workers_finish_thirty_jobs_exactly_once(server, workers):
 def test_worker_survives_a_redis_restart_and_resumes(server, workers, tiny):
     client = PrefillClient.from_url(server.url)
     w1 = workers("w1")
-    token_ids = ids(2000, 2)
-    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+    job, token_ids = long_job_in_flight(client, w1, 2, top_k=3)
     server.stop()
     time.sleep(1.0)
     server.start()  # AOF on: the job's record and queues survive
@@ -194,8 +198,7 @@ def test_worker_carries_on_when_a_redis_restart_lost_everything(tmp_path, worker
     try:
         w1 = WorkerProcess(srv.url, "w1", tmp_path)
         client = PrefillClient.from_url(srv.url)
-        job = client.submit(tokens=ids(2000, 4), model=MODEL)
-        wait_for(lambda: client.status(job).cursor >= 40, 60, "w1 never advanced the job", w1)
+        long_job_in_flight(client, w1, 4)
         srv.stop()
         time.sleep(1.0)
         srv.start()  # empty: the job's record is gone
