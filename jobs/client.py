@@ -60,6 +60,11 @@ class ModelInfo:
     sha256: str
 
 
+def redis_url(url: str | None = None) -> str:
+    """`url`, else ``$PREFILLQ_REDIS_URL``, else ``redis://localhost:6379/0``."""
+    return url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+
+
 def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
     """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
     return Queue(
@@ -125,8 +130,7 @@ class PrefillClient:
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> PrefillClient:
         """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``."""
-        url = url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        return cls(Redis.from_url(url), **kwargs)
+        return cls(Redis.from_url(redis_url(url)), **kwargs)
 
     # -- models ------------------------------------------------------------------------
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
 
 from jobs import JobCanceled, JobFailed, PrefillClient, PrefillQError, PrefillResult
-from jobs.client import DEFAULT_REDIS_URL, DEFAULT_TOP_K, REDIS_URL_ENV
+from jobs.client import DEFAULT_TOP_K, REDIS_URL_ENV, redis_url
 from jobs.schema import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
@@ -182,7 +181,7 @@ def worker_connection(url: str | None):
     from redis.retry import Retry
 
     return Redis.from_url(
-        url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
+        redis_url(url),
         retry=Retry(ExponentialBackoff(cap=10.0, base=0.1), retries=-1),
         retry_on_error=[ConnectionError, TimeoutError],
         health_check_interval=30,
@@ -216,7 +215,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
     from jobs.reaper import reap
 
-    reaped = reap(Redis.from_url(args.redis or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)))
+    reaped = reap(Redis.from_url(redis_url(args.redis)))
     for r in reaped:
         print(f"{r.job_id}: {r.outcome} (worker {r.worker})")
     print(f"reaped {len(reaped)} jobs")
