@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from .cache import LayerSpec, ModelCache
 from .loader import GGUFFile
+from .streams import split_map
 from .weights import load_gguf_weights
 
 ARCHITECTURE = "gemma3"
@@ -108,12 +109,32 @@ class Attention(nn.Module):
                          offset=position)
         keys, values, mask = cache.update(k, v, position)
         if isinstance(mask, mx.array) and L > cache.spec.window:
-            out = blocked_window_attention(q, keys, values, self.scale, position,
-                                           cache.spec.window)
+            out = self.attend(blocked_window_attention, q, keys, values,
+                              self.scale, position, cache.spec.window)
         else:
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
-                                                       mask=mask)
+            out = self.attend(_attention, q, keys, values, self.scale, mask)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend(self, fn, q: mx.array, keys: mx.array, values: mx.array, *args) -> mx.array:
+        """``fn(q, keys, values, *args)`` with its heads on parallel CPU streams.
+
+        Query heads are independent; a group of ``n_heads / n_kv_heads`` of them shares one
+        KV head. With one KV head the query heads are split; otherwise whole groups, each
+        slice taking its own KV heads. Shapes as `blocked_window_attention`'s.
+        """
+        if self.n_kv_heads == 1:
+            return split_map(fn, [q], axis=1, shared=(keys, values, *args))
+        B, H, L, D = q.shape
+        grouped = q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
+
+        def group_slice(q5: mx.array, k: mx.array, v: mx.array) -> mx.array:
+            return fn(q5.reshape(B, -1, L, D), k, v, *args)
+
+        return split_map(group_slice, [grouped, keys, values], axis=1)
+
+
+def _attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
 def blocked_window_attention(
@@ -149,6 +170,11 @@ def blocked_window_attention(
     return mx.concatenate(outs, axis=2)
 
 
+def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu(gate) * up`` with GELU's tanh approximation, as Gemma and llama.cpp use."""
+    return nn.gelu_approx(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -157,7 +183,9 @@ class MLP(nn.Module):
         self.ffn_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.ffn_down(nn.gelu_approx(self.ffn_gate(x)) * self.ffn_up(x))
+        # rows are independent: on a CPU device they run on parallel streams
+        gated = split_map(gelu_gate, [self.ffn_gate(x), self.ffn_up(x)], axis=1)
+        return self.ffn_down(gated)
 
 
 class Block(nn.Module):

@@ -1,0 +1,110 @@
+"""Where one Gemma 3 chunk's time goes, op group by op group (MLX has no CPU profiler).
+
+    python -m bench.profile [--chunk 2048] [--position 2048] [--repeats 3]
+
+Each group runs alone, split over CPU streams as in the model (`model.streams`;
+``PREFILLQ_CPU_STREAMS=1`` for one stream), on arrays of the real shapes (the loaded model's
+weights, a chunk of `--chunk` queries at `--position`), is `mx.eval`-ed, and is timed as the
+fastest of `--repeats`. The groups' times their count per forward give a predicted chunk
+time, printed next to a measured one. One JSON line per group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+
+from .common import timed
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm up (allocations, BLAS threads)
+    return timed(lambda: mx.eval(fn()), repeats)[0]
+
+
+def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
+    from model.gemma3 import _attention, blocked_window_attention, gelu_gate
+    from model.streams import split_map
+
+    a = loaded.model.args
+    blk = loaded.model.blk[0]
+    attn = blk.attn
+    hd, heads, kv = a.head_dim, a.num_attention_heads, a.num_key_value_heads
+    x = mx.random.normal((1, chunk, a.hidden_size))
+    q = mx.random.normal((1, heads, chunk, hd))
+    window = a.sliding_window
+    n_prev = min(position, window - 1)
+    local_k = mx.random.normal((1, kv, n_prev + chunk, hd))
+    global_k = mx.random.normal((1, kv, position + chunk, hd))
+    g_mask = mx.arange(position, position + chunk)[:, None] >= mx.arange(position + chunk)
+    h_ffn = mx.random.normal((1, chunk, a.intermediate_size))
+    n_global = sum(not a.is_sliding(i) for i in range(a.num_hidden_layers))
+    n_local = a.num_hidden_layers - n_global
+    L = a.num_hidden_layers
+
+    def local_attention():
+        if chunk > window:
+            return attn.attend(blocked_window_attention, q, local_k, local_k, attn.scale,
+                               position, window)
+        q_pos = mx.arange(position, position + chunk)[:, None]
+        k_pos = mx.arange(position - n_prev, position + chunk)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
+        return attn.attend(_attention, q, local_k, local_k, attn.scale, mask)
+
+    groups = {
+        # name: (function, times per forward)
+        "qkv_proj": (lambda: [attn.attn_q(x), attn.attn_k(x), attn.attn_v(x)], L),
+        "o_proj": (lambda: attn.attn_output(q.transpose(0, 2, 1, 3).reshape(1, chunk, -1)), L),
+        "mlp_matmuls": (lambda: [blk.mlp.ffn_gate(x), blk.mlp.ffn_up(x),
+                                 blk.mlp.ffn_down(h_ffn)], L),
+        "gelu_mul": (lambda: split_map(gelu_gate, [h_ffn, h_ffn], axis=1), L),
+        "norms_6": (lambda: [blk.attn_norm(x), blk.post_attention_norm(x), blk.ffn_norm(x),
+                             blk.post_ffw_norm(x), attn.attn_q_norm(q),
+                             attn.attn_k_norm(q[:, :kv])], L),
+        "rope_qk": (lambda: [mx.fast.rope(q, hd, traditional=False, base=1e4, scale=1.0,
+                                          offset=position),
+                             mx.fast.rope(q[:, :kv], hd, traditional=False, base=1e4,
+                                          scale=1.0, offset=position)], L),
+        "attention_local": (local_attention, n_local),
+        "attention_global": (lambda: attn.attend(_attention, q, global_k, global_k,
+                                                 attn.scale, g_mask), n_global),
+        "residual_adds": (lambda: [x + x, x + x], L),
+    }
+    rows = []
+    for name, (fn, count) in groups.items():
+        seconds = _time(fn, repeats)
+        rows.append({"group": name, "ms_each": round(seconds * 1e3, 2), "count": count,
+                     "ms_per_chunk": round(seconds * count * 1e3, 1)})
+    ids = list(range(1000, 1000 + position + chunk))
+    prefill = loaded.start_prefill(ids, chunk_tokens=chunk)
+    while prefill.cursor < position:
+        prefill.step()
+    measured = timed(prefill.step)[0]
+    rows.append({"group": "sum_of_groups", "ms_per_chunk":
+                 round(sum(r["ms_per_chunk"] for r in rows), 1)})
+    rows.append({"group": "measured_chunk", "ms_per_chunk": round(measured * 1e3, 1)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--position", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    from worker.blas import ensure_blas
+
+    ensure_blas()
+    from model.registry import load_model
+
+    loaded = load_model(args.model)
+    for row in profile(loaded, args.chunk, args.position, args.repeats):
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
