@@ -1,0 +1,112 @@
+"""Where a GPU prefill's time goes, module by module (DeepSeek-V4 and Gemma 3 shapes).
+
+    python -m bench.gpu_profile [--layers 4] [--tokens 8192 32768] [--chunk 2048]
+
+Each listed module's ``__call__`` is wrapped to `mx.eval` its output and add the wall time
+to its total, so the lazily built graph runs module by module (a little slower than the
+unprofiled prefill, which the last row gives for comparison). Times are inclusive: the
+attention's includes its compressor and indexer. One JSON line per module and case, plus
+the DeepSeek-V4 routed experts timed both ways (`MoE._gathered`, `MoE._grouped`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from .common import Recorder, log
+from .gpu import gemma3_model, one_prefill_seconds, prefill_seconds
+
+
+def _outputs(value) -> list[mx.array]:
+    if isinstance(value, mx.array):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _outputs(item)]
+    return []
+
+
+@contextmanager
+def module_timer(targets: dict[str, tuple[type, str]]):
+    """Wrap ``cls.method`` for every ``name: (cls, method)``; yields ``{name: [s, calls]}``."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    originals = []
+    for name, (cls, method) in targets.items():
+        original = getattr(cls, method)
+        originals.append((cls, method, original))
+
+        def timed_call(self, *args, _name=name, _original=original, **kwargs):
+            t0 = time.perf_counter()
+            out = _original(self, *args, **kwargs)
+            mx.eval(_outputs(out))
+            totals[_name][0] += time.perf_counter() - t0
+            totals[_name][1] += 1
+            return out
+
+        setattr(cls, method, timed_call)
+    try:
+        yield totals
+    finally:
+        for cls, method, original in originals:
+            setattr(cls, method, original)
+
+
+def profile_case(rec: Recorder, label: str, model, targets, n: int, chunk: int) -> None:
+    plain = prefill_seconds(model, n, chunk, repeats=1)
+    with module_timer(targets) as totals:
+        profiled = one_prefill_seconds(model, n, chunk)
+    for name, (seconds, calls) in totals.items():
+        rec("gpu_module_seconds", seconds, "s", model=label, module=name, calls=calls,
+            share_of_profiled=round(seconds / profiled, 4), n_tokens=n, chunk_tokens=chunk)
+    rec("gpu_prefill_seconds", plain, "s", model=label, profiled_s=round(profiled, 4),
+        n_tokens=n, chunk_tokens=chunk)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
+    p.add_argument("--chunk", type=int, default=2048)
+    args = p.parse_args(argv)
+    rec = Recorder(True, {"device": str(mx.default_device()), "mlx": mx.__version__})
+    from model import deepseek4, gemma3
+
+    gemma = gemma3_model()
+    for n in args.tokens:
+        log(f"gemma3-270m shapes, {n} tokens")
+        profile_case(rec, "gemma3-270m shapes", gemma, {
+            "attention": (gemma3.Attention, "__call__"), "mlp": (gemma3.MLP, "__call__"),
+        }, n, args.chunk)
+    del gemma
+    mx.clear_cache()
+
+    ds = deepseek4.dummy_model(deepseek4.flash_args(), n_layers=args.layers, dtype=mx.bfloat16)
+    targets = {
+        "block": (deepseek4.Block, "__call__"),
+        "attention": (deepseek4.Attention, "__call__"),
+        "attention_core": (deepseek4.Attention, "_attend"),
+        "compressor": (deepseek4.Compressor, "__call__"),
+        "indexer_select": (deepseek4.Indexer, "select"),
+        "moe": (deepseek4.MoE, "__call__"),
+    }
+    label = f"deepseek4-flash shapes, {args.layers} layers"
+    for n in args.tokens:
+        log(f"{label}, {n} tokens")
+        profile_case(rec, label, ds, targets, n, args.chunk)
+    # the routed experts both ways, at the first case's length
+    n = args.tokens[0]
+    for grouped in (False, True):
+        deepseek4.use_grouped_experts = lambda g=grouped: g
+        log(f"{label}, {n} tokens, grouped experts={grouped}")
+        seconds = prefill_seconds(ds, n, args.chunk, repeats=2)
+        rec("gpu_prefill_tok_s", n / seconds, "tok/s", model=label, n_tokens=n,
+            chunk_tokens=args.chunk, experts="grouped (host sync)" if grouped else "gather_mm")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
