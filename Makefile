@@ -14,7 +14,7 @@ BLAS_GLOB := /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 endif
 
-.PHONY: install run test bench bench-quick lint system-deps clean
+.PHONY: install run test bench bench-quick bench-llama lint system-deps clean
 
 install: $(VENV)/.installed
 
@@ -42,9 +42,29 @@ run: install
 test: install
 	$(RUN_ENV) $(BIN)/python -m pytest -q
 
-bench: install
+bench: install bench-llama
 	$(BIN)/pip install --quiet -e ".[bench]"
-	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench
+	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench --llama-python $(LLAMA_VENV)/bin/python
+
+# llama.cpp for `over_llama_cpp`, built from source (native CPU flags, no llava) in its own
+# benchmark-only venv: ~10 minutes on 2 cores, once. AMX is compiled out on x86-64: on
+# VMs that list amx_* in /proc/cpuinfo without granting the tile state (this one), ggml's
+# AMX matmul dies with SIGILL on its first `tilezero`.
+LLAMA_VENV        := .venv-llama
+LLAMA_CPP_PYTHON  ?= llama-cpp-python==0.3.36
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CFLAGS      := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
+bench-llama: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CFLAGS="$(LLAMA_CFLAGS)" \
+	  CXXFLAGS="$(LLAMA_CFLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(LLAMA_VENV)/bin/pip install --no-cache-dir --no-binary llama-cpp-python \
+	  "$(LLAMA_CPP_PYTHON)"
+	touch $@
 
 bench-quick: install
 	$(BIN)/pip install --quiet -e ".[bench]"
@@ -52,7 +72,7 @@ bench-quick: install
 
 lint: install
 	$(BIN)/pip install --quiet ruff
-	$(BIN)/ruff check model jobs worker tests
+	$(BIN)/ruff check model jobs worker tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LLAMA_VENV) .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import time
@@ -15,17 +16,29 @@ from .common import Recorder, log
 QUICK_TOKENS = 4096
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _context() -> dict:
     import mlx.core as mx
 
-    from worker.blas import loaded_blas
+    from model.streams import cpu_streams
+    from worker.blas import blas_summary
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     return {"date": datetime.date.today().isoformat(), "commit": commit,
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "machine": f"{platform.machine()}, {_cpu_name()}, {os.cpu_count()} cores",
             "device": str(mx.default_device()), "mlx": mx.__version__,
-            "blas": ",".join(loaded_blas()) or "platform"}
+            "blas": blas_summary(), "cpu_streams": cpu_streams()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the tokens/s curves (vs prompt length and vs chunk size)")
     p.add_argument("--curve-max", type=int, default=32_768,
                    help="longest prompt of the length curve (default %(default)s)")
+    p.add_argument("--llama-python", type=Path,
+                   help="the interpreter with llama-cpp-python (`make bench-llama` builds "
+                   ".venv-llama); without it the full suite skips over_llama_cpp")
     p.add_argument("--chunk-curve-tokens", type=int, default=8192,
                    help="prompt length of the chunk-size curve (default %(default)s)")
     args = p.parse_args(argv)
@@ -47,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_blas()
     from model.registry import load_model
 
-    from . import memory, prefill, queue
+    from . import llama_cpp, memory, prefill, queue
 
     context = _context()
     rec = Recorder(args.json, context)
@@ -60,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 2 if args.quick else 3
     prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
     if not args.curves_only:
-        prefill.chunked_over_one_pass(rec, loaded, n, repeats)
-        queue.queue_over_in_process(rec, loaded, n, 1 if args.quick else repeats)
-        prefill.forward_over_mlx_lm(rec, loaded, n, repeats)
+        prefill.in_process_ratios(rec, loaded, n, repeats)
+        queue.queue_over_in_process(rec, loaded, n, repeats)
+        queue.queue_overhead_per_chunk(rec)
+        if not args.quick and args.llama_python:
+            llama_cpp.over_llama_cpp(rec, loaded, n, repeats, args.llama_python)
+        elif not args.quick:
+            log("over_llama_cpp skipped: no --llama-python (run `make bench-llama`)")
         queue.short_wait_over_chunk_time(rec, loaded, n // 2 if args.quick else n)
         memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
     if args.curves_only or not args.quick:

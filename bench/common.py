@@ -31,15 +31,14 @@ def timed(fn: Callable[[], object], repeats: int = 1) -> tuple[float, object]:
     return min(times), out
 
 
-def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int
-                ) -> tuple[float, float]:
-    """Fastest seconds of `a` and of `b`, run alternately (a, b, a, b, ...) so drift in the
-    machine's speed hits both alike."""
-    times_a, times_b = [], []
+def interleaved(*fns: Callable[[], object], repeats: int) -> list[float]:
+    """Fastest seconds of each of `fns`, run in turn (a, b, c, a, b, c, ...) so drift in the
+    machine's speed hits all alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        times_a.append(timed(a)[0])
-        times_b.append(timed(b)[0])
-    return min(times_a), min(times_b)
+        for fn, seconds in zip(fns, times, strict=True):
+            seconds.append(timed(fn)[0])
+    return [min(seconds) for seconds in times]
 
 
 class Recorder:

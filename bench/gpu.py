@@ -20,6 +20,10 @@ from model.prefill import start_prefill
 
 from .common import Recorder, log
 
+# Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
+# chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
+REPEATS = 5
+
 # The practical bf16 ceiling measured with PyTorch on an H200 (shared/GPU.md).
 TORCH_BF16_CEILING_TFLOPS = 790.0
 
@@ -123,7 +127,7 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
     t0 = time.perf_counter()
     model = deepseek4.dummy_model(args, n_layers=n_layers, dtype=mx.bfloat16)
     build_s = time.perf_counter() - t0
-    seconds = prefill_seconds(model, n, chunk, repeats=2)
+    seconds = prefill_seconds(model, n, chunk, repeats=REPEATS)
     flops = deepseek4_flops(model.args, n)
     rec("gpu_prefill_tok_s", n / seconds, "tok/s", model="deepseek4-flash shapes",
         layers=n_layers, ratios=list(model.args.compress_ratios), dtype="bfloat16",
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = cases[:1]
     for n, chunk in cases:
         log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
-        seconds = prefill_seconds(model, n, chunk, repeats=2)
+        seconds = prefill_seconds(model, n, chunk, repeats=REPEATS)
         flops = gemma3_flops(GEMMA3_270M, n)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", model="gemma3-270m shapes",
             dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,

@@ -13,7 +13,7 @@ from .common import Recorder, interleaved, log, prompt_ids, timed
 
 def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | None,
                     repeats: int = 1) -> tuple[float, int]:
-    """Median seconds of a whole prefill (plan, chunks, final logits) and its chunk count."""
+    """Fastest seconds of a whole prefill (plan, chunks, final logits) and its chunk count."""
 
     def run():
         prefill = loaded.start_prefill(ids, chunk_tokens)
@@ -25,15 +25,9 @@ def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | Non
     return seconds, chunks
 
 
-def chunked_over_one_pass(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
-    ids = prompt_ids(n)
-    log(f"chunked vs one pass, {n} tokens, {repeats} alternating runs each")
-    chunked, one_pass = interleaved(lambda: prefill_seconds(loaded, ids, None),
-                                    lambda: prefill_seconds(loaded, ids, n), repeats)
-    chunks = loaded.start_prefill(ids).plan.chunk_sizes
-    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=len(chunks),
-        chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
-        repeats=repeats, floor=0.95)
+def top1(loaded: LoadedModel, ids: list[int]) -> int:
+    """Token id of the largest final logit of a default-chunked prefill of `ids`."""
+    return int(loaded.start_prefill(ids).run().argmax())
 
 
 # -- mlx-lm on the same weights ------------------------------------------------------------
@@ -81,25 +75,36 @@ def _mlx_lm_gemma3(loaded: LoadedModel):
     return model
 
 
-def forward_over_mlx_lm(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
-    """Our prefill vs mlx-lm's `generate_step` prefill (its loop, its caches and masks) on the
-    same arrays, same MLX and BLAS, same process, both at the 2,048-token step."""
+def in_process_ratios(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
+    """`chunked_over_one_pass` and `forward_over_mlx_lm` from one set of alternating runs:
+    our default-chunked prefill, our one-pass prefill, and mlx-lm's `generate_step` prefill
+    (its loop, its caches and masks) on the same arrays, same MLX and BLAS, same process,
+    at the same 2,048-token step."""
     from mlx_lm.generate import generate_step
 
     ids = prompt_ids(n)
+    chunks = loaded.start_prefill(ids).plan.chunk_sizes
+    steps = [min(DEFAULT_CHUNK_TOKENS, n - i) for i in range(0, n, DEFAULT_CHUNK_TOKENS)]
+    if list(chunks) != steps:
+        raise ValueError(f"{n} tokens: default plan {chunks} is not mlx-lm's 2,048-token "
+                         "steps; pick a multiple of 2,048")
     theirs_model = _mlx_lm_gemma3(loaded)
 
     def theirs():
-        prompt = mx.array(ids)
-        for _ in generate_step(prompt, theirs_model, max_tokens=1,
+        for _ in generate_step(mx.array(ids), theirs_model, max_tokens=1,
                                prefill_step_size=DEFAULT_CHUNK_TOKENS):
             break
+        mx.clear_cache()
 
-    log(f"ours vs mlx-lm, {n} tokens, {repeats} alternating runs each")
-    ours_s, mlx_lm_s = interleaved(
-        lambda: prefill_seconds(loaded, ids, DEFAULT_CHUNK_TOKENS), theirs, repeats)
-    rec("forward_over_mlx_lm", mlx_lm_s / ours_s, "ratio", n_tokens=n,
-        ours_tok_s=round(n / ours_s, 1), mlx_lm_tok_s=round(n / mlx_lm_s, 1),
+    log(f"chunked vs one pass vs mlx-lm, {n} tokens, {repeats} alternating runs each")
+    chunked, one_pass, mlx_lm = interleaved(
+        lambda: prefill_seconds(loaded, ids, None), lambda: prefill_seconds(loaded, ids, n),
+        theirs, repeats=repeats)
+    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=len(chunks),
+        chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
+        repeats=repeats, floor=0.95)
+    rec("forward_over_mlx_lm", mlx_lm / chunked, "ratio", n_tokens=n,
+        ours_tok_s=round(n / chunked, 1), mlx_lm_tok_s=round(n / mlx_lm, 1),
         chunk_tokens=DEFAULT_CHUNK_TOKENS, repeats=repeats, floor=0.95)
 
 

@@ -77,7 +77,7 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
         seconds = _time(fn, repeats)
         rows.append({"group": name, "ms_each": round(seconds * 1e3, 2), "count": count,
                      "ms_per_chunk": round(seconds * count * 1e3, 1)})
-    ids = list(range(1000, 1000 + position + chunk))
+    ids = [(1000 + i) % a.vocab_size for i in range(position + chunk)]
     prefill = loaded.start_prefill(ids, chunk_tokens=chunk)
     while prefill.cursor < position:
         prefill.step()

@@ -86,6 +86,31 @@ def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, repeats: i
         floor=0.90)
 
 
+def queue_overhead_per_chunk(rec: Recorder, chunks: int = 64, chunk_tokens: int = 16,
+                             repeats: int = 3) -> None:
+    """Wall milliseconds per chunk that are not forward passes, on the tiny synthetic Gemma 3
+    (so the forward is ~1 ms and the queue's own cost stands out): every chunk's RQ dequeue
+    and bookkeeping, cancel check, fenced checkpoint and continuation enqueue, through a
+    real redis-server. This is what a chunk costs beyond compute on a fast GPU."""
+    from model.registry import load_model
+
+    tiny = load_model("gemma3-tiny")
+    ids = [i % tiny.vocab_size for i in range(chunks * chunk_tokens)]
+    log(f"queue overhead per chunk: {chunks} chunks of {chunk_tokens} tokens, tiny model")
+    with RedisServer() as url:
+        worker, client = _worker(url, tiny, chunk_tokens=chunk_tokens)
+        per_chunk = []
+        for _ in range(repeats + 1):  # the first run warms MLX and the scripts
+            job = client.submit(tokens=ids, model=tiny.name, top_k=1)
+            worker.work(burst=True, logging_level="WARNING")
+            result = client.result(job, timeout=0)
+            t = result.timings
+            per_chunk.append((t["prefill_s"] - t["compute_s"]) / result.chunks_done)
+    rec("queue_overhead_ms_per_chunk", min(per_chunk[1:]) * 1e3, "ms",
+        chunks=result.chunks_done,
+        chunk_tokens=chunk_tokens, model=tiny.name, repeats=repeats)
+
+
 def _latency(client: PrefillClient, job: str) -> float:
     status = client.status(job)
     return status.finished_at - status.enqueued_at
