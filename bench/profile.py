@@ -25,7 +25,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
-    from model.gemma3 import _attention, blocked_window_attention, gelu_gate
+    from model.gemma3 import gelu_gate
     from model.streams import split_map
 
     a = loaded.model.args
@@ -38,20 +38,18 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
     n_prev = min(position, window - 1)
     local_k = mx.random.normal((1, kv, n_prev + chunk, hd))
     global_k = mx.random.normal((1, kv, position + chunk, hd))
-    g_mask = mx.arange(position, position + chunk)[:, None] >= mx.arange(position + chunk)
     h_ffn = mx.random.normal((1, chunk, a.intermediate_size))
     n_global = sum(not a.is_sliding(i) for i in range(a.num_hidden_layers))
     n_local = a.num_hidden_layers - n_global
     L = a.num_hidden_layers
 
-    def local_attention():
-        if chunk > window:
-            return attn.attend(blocked_window_attention, q, local_k, local_k, attn.scale,
-                               position, window)
-        q_pos = mx.arange(position, position + chunk)[:, None]
-        k_pos = mx.arange(position - n_prev, position + chunk)[None, :]
-        mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
-        return attn.attend(_attention, q, local_k, local_k, attn.scale, mask)
+    local_attn = next(b.attn for b in loaded.model.blk if b.attn.window)
+    global_attn = next(b.attn for b in loaded.model.blk if not b.attn.window)
+    q_pos = mx.arange(position, position + chunk)[:, None]
+    k_pos = mx.arange(position - n_prev, position + chunk)[None, :]
+    local_mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
+    if n_prev + chunk <= window:
+        local_mask = "causal"
 
     groups = {
         # name: (function, times per forward)
@@ -67,9 +65,10 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
                                           offset=position),
                              mx.fast.rope(q[:, :kv], hd, traditional=False, base=1e4,
                                           scale=1.0, offset=position)], L),
-        "attention_local": (local_attention, n_local),
-        "attention_global": (lambda: attn.attend(_attention, q, global_k, global_k,
-                                                 attn.scale, g_mask), n_global),
+        "attention_local": (lambda: local_attn.core(q, local_k, local_k, local_mask,
+                                                    position), n_local),
+        "attention_global": (lambda: global_attn.core(q, global_k, global_k, "causal",
+                                                      position), n_global),
         "residual_adds": (lambda: [x + x, x + x], L),
     }
     rows = []

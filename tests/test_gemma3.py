@@ -283,21 +283,27 @@ def test_input_errors_are_deterministic_value_errors():
         assert issubclass(error, PrefillError) and issubclass(error, ValueError)
 
 
+@pytest.mark.parametrize("window", [16, None])
+@pytest.mark.parametrize("block", [1, 5, 8, 16, 64])
 @pytest.mark.parametrize("position,L", [(0, 50), (7, 50), (40, 33), (100, 17), (3, 16)])
-def test_blocked_window_attention_equals_the_masked_one(position, L):
+def test_blocked_attention_equals_the_masked_one(position, L, block, window):
+    """Windowed keys as `RingKVCache` returns them (the previous window - 1 rows), global
+    keys as `GlobalKVCache` does (every earlier row)."""
     import mlx.core as mx
 
-    from model.gemma3 import blocked_window_attention
+    from model.gemma3 import blocked_attention
 
-    window, n_prev = 16, min(position, 15)
+    n_prev = min(position, window - 1) if window else position
     rng = np.random.default_rng(position * 100 + L)
     q = mx.array(rng.standard_normal((1, 4, L, 8)).astype(np.float32))
     k = mx.array(rng.standard_normal((1, 1, n_prev + L, 8)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, 1, n_prev + L, 8)).astype(np.float32))
     q_pos = mx.arange(position, position + L)[:, None]
     k_pos = mx.arange(position - n_prev, position + L)[None, :]
-    mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
+    mask = k_pos <= q_pos
+    if window:
+        mask = mask & (q_pos - k_pos < window)
     full = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
-    blocked = blocked_window_attention(q, k, v, 0.35, position, window)
+    blocked = blocked_attention(q, k, v, 0.35, position, window, block=block)
     assert blocked.shape == full.shape
     assert float(mx.abs(blocked - full).max()) < 1e-5
