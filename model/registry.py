@@ -17,6 +17,7 @@ from . import deepseek4, deepseek4_cache, gemma3
 from .cache import plan_cache
 from .loader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .prefill import Prefill, PrefillModel, start_prefill
+from .streams import cpu_streams
 from .synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .tokenizer import Tokenizer
 
@@ -122,9 +123,11 @@ def load_model(
         context_length: cap the serving context below the GGUF's.
     Raises:
         UnknownModel, GGUFError (missing file, unsupported architecture or tensor type),
-        TokenizerError.
+        TokenizerError, ValueError (``$PREFILLQ_CPU_STREAMS`` is not a positive integer:
+        checked here so a worker fails at start, not on its first job).
     """
     t0 = time.perf_counter()
+    cpu_streams()
     name, path, sha = resolve(spec)
     gguf: GGUFFile = read_gguf(path)
     arch = ARCHITECTURES.get(gguf.architecture)

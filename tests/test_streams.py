@@ -36,6 +36,12 @@ def test_cpu_streams_reads_the_environment(monkeypatch):
     assert cpu_streams() >= 1
 
 
+def test_a_bad_stream_count_fails_at_model_load(monkeypatch):
+    monkeypatch.setenv("PREFILLQ_CPU_STREAMS", "0")
+    with pytest.raises(ValueError, match="PREFILLQ_CPU_STREAMS='0'"):
+        load_model("gemma3-tiny")
+
+
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
 def test_gemma3_logits_do_not_depend_on_the_stream_count(tmp_path, monkeypatch, n_kv_heads):
     """One KV head: query heads are split; several: whole GQA groups with their KV heads.
