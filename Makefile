@@ -42,9 +42,14 @@ run: install
 test: install
 	$(RUN_ENV) $(BIN)/python -m pytest -q
 
+# Both write their JSON lines to bench/results/ too; `make bench` also redraws the
+# committed plots in docs/bench/ (review the diff before committing it).
+TODAY := $(shell date +%F)
+
 bench: install bench-llama
 	$(BIN)/pip install --quiet -e ".[bench]"
-	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench --llama-python $(LLAMA_VENV)/bin/python
+	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench \
+	  --llama-python $(LLAMA_VENV)/bin/python --out bench/results/cpu-full-$(TODAY).jsonl
 
 # llama.cpp for `over_llama_cpp`, built from source (native CPU flags, no llava) in its own
 # benchmark-only venv: ~10 minutes on 2 cores, once. AMX is compiled out on x86-64: on
@@ -68,7 +73,7 @@ $(LLAMA_VENV)/.installed:
 
 bench-quick: install
 	$(BIN)/pip install --quiet -e ".[bench]"
-	$(RUN_ENV) $(BIN)/python -m bench --quick --json
+	$(RUN_ENV) $(BIN)/python -m bench --quick --json --out bench/results/cpu-quick-$(TODAY).jsonl
 
 lint: install
 	$(BIN)/pip install --quiet ruff

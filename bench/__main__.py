@@ -1,4 +1,4 @@
-"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR]"""
+"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -43,10 +43,13 @@ def _context() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="~5 minutes: a 4K-token prompt")
+    p.add_argument("--quick", action="store_true",
+                   help="5-6 minutes on 2 cores: a 4K-token prompt, no llama.cpp")
     p.add_argument("--json", action="store_true", help="one JSON line per measurement")
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
+    p.add_argument("--out", type=Path,
+                   help="also write the context and every record, one JSON line each, here")
     p.add_argument("--curves-only", action="store_true",
                    help="only the tokens/s curves (vs prompt length and vs chunk size)")
     p.add_argument("--curve-max", type=int, default=32_768,
@@ -63,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     ensure_blas()
     from model.registry import load_model
 
-    from . import llama_cpp, memory, prefill, queue
+    from . import llama_cpp, memory, prefill, queue, ratios
 
     context = _context()
-    rec = Recorder(args.json, context)
+    rec = Recorder(args.json, context, args.out)
     log(f"bench: {json.dumps(context)}")
     t0 = time.perf_counter()
     loaded = load_model(args.model)
@@ -76,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 2 if args.quick else 3
     prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
     if not args.curves_only:
-        prefill.in_process_ratios(rec, loaded, n, repeats)
-        queue.queue_over_in_process(rec, loaded, n, repeats)
+        ratios.side_by_side(rec, loaded, n, repeats)
         queue.queue_overhead_per_chunk(rec)
         if not args.quick and args.llama_python:
             llama_cpp.over_llama_cpp(rec, loaded, n, repeats, args.llama_python)
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         from .plots import write_plots
 
         write_plots(rec.records, context, args.plots)
+    for line in rec.bounds_report():
+        log(f"bench: {line}")
     return 0
 
 

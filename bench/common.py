@@ -31,31 +31,60 @@ def timed(fn: Callable[[], object], repeats: int = 1) -> tuple[float, object]:
     return min(times), out
 
 
-def interleaved(*fns: Callable[[], object], repeats: int) -> list[float]:
-    """Fastest seconds of each of `fns`, run in turn (a, b, c, a, b, c, ...) so drift in the
-    machine's speed hits all alike."""
+def interleaved(*fns: Callable[[], float], repeats: int) -> list[float]:
+    """Fastest of each of `fns`, run in turn (a, b, c, a, b, c, ...) so drift in the
+    machine's speed hits all alike. Each fn returns the seconds it measured itself (wrap a
+    plain callable in `timed`), so one can leave out its own set-up."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, seconds in zip(fns, times, strict=True):
-            seconds.append(timed(fn)[0])
+            seconds.append(fn())
     return [min(seconds) for seconds in times]
 
 
 class Recorder:
-    """Prints one JSON line per measurement (``--json``) or a readable line, and keeps them."""
+    """Prints one JSON line per measurement (``--json``) or a readable line, and keeps them.
 
-    def __init__(self, as_json: bool, context: dict):
+    A measurement with a bound (``floor=`` or ``ceiling=`` among its details) also gets
+    ``"holds": true|false``; `bounds_report` lists the ones that did not hold.
+    """
+
+    def __init__(self, as_json: bool, context: dict, out: Path | None = None):
+        """`out`, if given, gets ``{"context": ...}`` and then every record, a JSON line
+        each (the files under ``bench/results/``)."""
         self.as_json, self.context, self.records = as_json, context, []
+        self.out = out
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"context": context}) + "\n")
 
     def __call__(self, metric: str, value: float, unit: str, **details) -> dict:
         record = {"metric": metric, "value": round(value, 4), "unit": unit, **details}
+        if "floor" in details:
+            record["holds"] = value >= details["floor"]
+        elif "ceiling" in details:
+            record["holds"] = value <= details["ceiling"]
         self.records.append(record)
+        if self.out is not None:
+            with self.out.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         if self.as_json:
             print(json.dumps(record), flush=True)
         else:
             extra = ", ".join(f"{k}={v}" for k, v in details.items())
             print(f"{metric:>28} = {value:10.4g} {unit}  ({extra})", flush=True)
         return record
+
+
+    def bounds_report(self) -> list[str]:
+        """One line per bounded measurement: ``holds`` or ``MISSED`` with value and bound."""
+        lines = []
+        for r in self.records:
+            if "holds" in r:
+                bound = f">= {r['floor']}" if "floor" in r else f"<= {r['ceiling']}"
+                verdict = "holds " if r["holds"] else "MISSED"
+                lines.append(f"{verdict} {r['metric']} = {r['value']:.3g} (want {bound})")
+        return lines
 
 
 def log(message: str) -> None:

@@ -1,14 +1,13 @@
-"""In-process prefill: chunked vs one pass, our forward vs mlx-lm's, and the cost curves."""
+"""In-process prefill: timing helpers, mlx-lm's Gemma 3 on our weights, the cost curves."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.planner import DEFAULT_CHUNK_TOKENS
 from model.registry import LoadedModel
 
-from .common import Recorder, interleaved, log, prompt_ids, timed
+from .common import Recorder, log, prompt_ids, timed
 
 
 def prefill_seconds(loaded: LoadedModel, ids: list[int], chunk_tokens: int | None,
@@ -33,7 +32,7 @@ def top1(loaded: LoadedModel, ids: list[int]) -> int:
 # -- mlx-lm on the same weights ------------------------------------------------------------
 
 
-def _mlx_lm_gemma3(loaded: LoadedModel):
+def mlx_lm_gemma3(loaded: LoadedModel):
     """mlx-lm's `gemma3_text.Model` sharing our dequantized arrays (its norms add the +1
     that llama.cpp's GGUF already folded in, so we subtract it)."""
     from mlx_lm.models import gemma3_text
@@ -73,39 +72,6 @@ def _mlx_lm_gemma3(loaded: LoadedModel):
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
-
-
-def in_process_ratios(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
-    """`chunked_over_one_pass` and `forward_over_mlx_lm` from one set of alternating runs:
-    our default-chunked prefill, our one-pass prefill, and mlx-lm's `generate_step` prefill
-    (its loop, its caches and masks) on the same arrays, same MLX and BLAS, same process,
-    at the same 2,048-token step."""
-    from mlx_lm.generate import generate_step
-
-    ids = prompt_ids(n)
-    chunks = loaded.start_prefill(ids).plan.chunk_sizes
-    steps = [min(DEFAULT_CHUNK_TOKENS, n - i) for i in range(0, n, DEFAULT_CHUNK_TOKENS)]
-    if list(chunks) != steps:
-        raise ValueError(f"{n} tokens: default plan {chunks} is not mlx-lm's 2,048-token "
-                         "steps; pick a multiple of 2,048")
-    theirs_model = _mlx_lm_gemma3(loaded)
-
-    def theirs():
-        for _ in generate_step(mx.array(ids), theirs_model, max_tokens=1,
-                               prefill_step_size=DEFAULT_CHUNK_TOKENS):
-            break
-        mx.clear_cache()
-
-    log(f"chunked vs one pass vs mlx-lm, {n} tokens, {repeats} alternating runs each")
-    chunked, one_pass, mlx_lm = interleaved(
-        lambda: prefill_seconds(loaded, ids, None), lambda: prefill_seconds(loaded, ids, n),
-        theirs, repeats=repeats)
-    rec("chunked_over_one_pass", one_pass / chunked, "ratio", n_tokens=n, chunks=len(chunks),
-        chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
-        repeats=repeats, floor=0.95)
-    rec("forward_over_mlx_lm", mlx_lm / chunked, "ratio", n_tokens=n,
-        ours_tok_s=round(n / chunked, 1), mlx_lm_tok_s=round(n / mlx_lm, 1),
-        chunk_tokens=DEFAULT_CHUNK_TOKENS, repeats=repeats, floor=0.95)
 
 
 def curves(rec: Recorder, loaded: LoadedModel, lengths: list[int], chunk_sizes: list[int],

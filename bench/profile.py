@@ -5,8 +5,9 @@
 Each group runs alone, split over CPU streams as in the model (`model.streams`;
 ``PREFILLQ_CPU_STREAMS=1`` for one stream), on arrays of the real shapes (the loaded model's
 weights, a chunk of `--chunk` queries at `--position`), is `mx.eval`-ed, and is timed as the
-fastest of `--repeats`. The groups' times their count per forward give a predicted chunk
-time, printed next to a measured one. One JSON line per group.
+fastest of `--repeats`. Each group's time times the number of times it runs per forward
+pass (per layer, per layer kind), summed over groups, predicts a chunk's time; the measured
+time of a whole chunk is printed next to it. One JSON line per group.
 """
 
 from __future__ import annotations
@@ -89,10 +90,13 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--position", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="gemma3-270m", help="registry name (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="query rows in the chunk (default %(default)s)")
+    p.add_argument("--position", type=int, default=2048,
+                   help="tokens already in the KV cache (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="time each group as the fastest of this many runs (default %(default)s)")
     args = p.parse_args(argv)
     from worker.blas import ensure_blas
 

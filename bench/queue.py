@@ -1,5 +1,6 @@
-"""Through the queue: end-to-end vs in-process prefill, and how long a short job waits
-behind a long one. A real redis-server (started here) and an in-process worker."""
+"""Through the queue: a prefill job end to end, the queue's own cost per chunk, and how long
+a short job waits behind a long one. A real redis-server (started here) and an in-process
+worker."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import redis
 
-from jobs import PrefillClient
+from jobs import PrefillClient, PrefillResult
 from model.registry import LoadedModel
 from worker.worker import PrefillWorker
 
 from .common import Recorder, log, prompt_ids
-from .prefill import prefill_seconds
 
 
 class RedisServer:
@@ -57,33 +59,22 @@ def _worker(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, Pre
     return worker, PrefillClient.from_url(url)
 
 
-def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
-    """A job's first start to `finished` through Redis and the worker loop (its record's
-    ``prefill_s``: every chunk's RQ dequeue, fenced checkpoint, continuation enqueue and the
-    publish), vs `Prefill.run` in process. Worker start-up and queue wait are excluded."""
-    ids = prompt_ids(n)
-    log(f"queue vs in-process, {n} tokens, {repeats} alternating runs each")
+@contextmanager
+def queued_prefill(loaded: LoadedModel) -> Iterator[Callable[[list[int]], PrefillResult]]:
+    """A callable that submits token ids to a fresh redis-server, runs the in-process worker
+    until the queue is empty (``work(burst=True)``) and returns the job's result. Its
+    ``timings["prefill_s"]`` spans the job's first start to ``finished``: every chunk's RQ
+    dequeue, cancel check, fenced checkpoint and continuation enqueue, then the final logits,
+    top-k and publish; worker start-up and queue wait are outside it."""
     with RedisServer() as url:
         worker, client = _worker(url, loaded)
 
-        def through_queue() -> float:
+        def run(ids: list[int]) -> PrefillResult:
             job = client.submit(tokens=ids, model=loaded.name, top_k=5)
             worker.work(burst=True, logging_level="WARNING")
             return client.result(job, timeout=0)
 
-        times_q, times_p, overheads, chunks = [], [], [], 0
-        for _ in range(repeats):
-            result = through_queue()
-            times_q.append(result.timings["prefill_s"])
-            # the job's wall time not spent in its forward passes, measured in one run
-            overheads.append(result.timings["prefill_s"] - result.timings["compute_s"])
-            chunks = result.chunks_done
-            times_p.append(prefill_seconds(loaded, ids, None)[0])
-    queued, in_process = min(times_q), min(times_p)
-    rec("queue_over_in_process", in_process / queued, "ratio", n_tokens=n, chunks=chunks,
-        queue_tok_s=round(n / queued, 1), in_process_tok_s=round(n / in_process, 1),
-        per_chunk_overhead_ms=round(min(overheads) / chunks * 1e3, 2), repeats=repeats,
-        floor=0.90)
+        yield run
 
 
 def queue_overhead_per_chunk(rec: Recorder, chunks: int = 64, chunk_tokens: int = 16,

@@ -10,17 +10,30 @@ from bench.profile import profile
 from bench.queue import queue_overhead_per_chunk
 
 
-def test_interleaved_alternates_and_keeps_each_fastest(monkeypatch):
+def test_interleaved_alternates_and_keeps_each_fastest():
     calls: list[str] = []
-    clock = iter(range(100))
-    monkeypatch.setattr("bench.common.time.perf_counter", lambda: next(clock))
+    seconds = iter([3.0, 5.0, 2.0, 1.0, 4.0, 6.0])
 
     def make(name: str):
-        return lambda: calls.append(name)
+        def fn() -> float:
+            calls.append(name)
+            return next(seconds)
+        return fn
 
-    fastest = interleaved(make("a"), make("b"), make("c"), repeats=3)
-    assert calls == ["a", "b", "c"] * 3
-    assert fastest == [1, 1, 1]  # every fake call spans one tick
+    fastest = interleaved(make("a"), make("b"), repeats=3)
+    assert calls == ["a", "b"] * 3
+    assert fastest == [2.0, 1.0]
+
+
+def test_queued_prefill_runs_a_job_through_a_real_redis(tiny):
+    from bench.queue import queued_prefill
+
+    ids = [i % tiny.vocab_size for i in range(40)]
+    with queued_prefill(tiny) as submit_and_work:
+        result = submit_and_work(ids)
+    assert result.n_tokens == 40
+    assert result.top_k[0].id == int(tiny.start_prefill(ids).run().argmax())
+    assert 0 < result.timings["compute_s"] <= result.timings["prefill_s"]
 
 
 def test_queue_overhead_is_measured_through_a_real_redis(capsys):
@@ -39,3 +52,14 @@ def test_profile_groups_add_up_to_a_chunk(tiny):
     groups = [r for name, r in rows.items() if name not in ("sum_of_groups", "measured_chunk")]
     assert rows["sum_of_groups"]["ms_per_chunk"] == round(
         sum(r["ms_per_chunk"] for r in groups), 1)
+
+
+def test_bounded_records_say_whether_they_hold(capsys):
+    rec = Recorder(True, {})
+    rec("a_over_b", 0.93, "ratio", floor=0.95)
+    rec("wait", 0.7, "ratio", ceiling=1.5)
+    rec("tok_s", 200.0, "tok/s")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("holds") for r in lines] == [False, True, None]
+    assert rec.bounds_report() == ["MISSED a_over_b = 0.93 (want >= 0.95)",
+                                   "holds  wait = 0.7 (want <= 1.5)"]

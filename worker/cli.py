@@ -34,6 +34,17 @@ class CLIError(Exception):
     """A usage or input error: printed as one line, exit status 2."""
 
 
+def _device_summary() -> str:
+    """``gpu`` or ``cpu, N streams`` (`model.streams.cpu_streams`)."""
+    import mlx.core as mx
+
+    from model.streams import cpu_streams
+
+    if mx.default_device() == mx.gpu:
+        return "gpu"
+    return f"cpu, {cpu_streams()} streams"
+
+
 def _load_models(specs: list[str], context_length: int | None) -> dict:
     from model.registry import load_model
 
@@ -46,7 +57,8 @@ def _load_models(specs: list[str], context_length: int | None) -> dict:
         loaded = load_model(spec, context_length=context_length)
         print(
             f"loaded {loaded.name} ({loaded.architecture}, {loaded.dtype}, "
-            f"context {loaded.context_length}) in {loaded.load_seconds:.1f} s",
+            f"context {loaded.context_length}) in {loaded.load_seconds:.1f} s "
+            f"on {_device_summary()}",
             file=sys.stderr,
             flush=True,
         )
