@@ -32,13 +32,16 @@ def timed(fn: Callable[[], object], repeats: int = 1) -> tuple[float, object]:
 
 
 def interleaved(*fns: Callable[[], float], repeats: int) -> list[float]:
-    """Fastest of each of `fns`, run in turn (a, b, c, a, b, c, ...) so drift in the
-    machine's speed hits all alike. Each fn returns the seconds it measured itself (wrap a
-    plain callable in `timed`), so one can leave out its own set-up."""
+    """Fastest of each of `fns`, run in turn, reversing the order every other round (a, b,
+    c, c, b, a, a, b, c, ...), so that drift in the machine's speed hits all alike and no fn
+    always inherits the state (heap, caches) the same other fn left behind. Each fn
+    returns the seconds it measured itself (wrap a plain callable in `timed`), so one can
+    leave out its own set-up."""
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, seconds in zip(fns, times, strict=True):
-            seconds.append(fn())
+    order = list(range(len(fns)))
+    for round_ in range(repeats):
+        for i in order if round_ % 2 == 0 else order[::-1]:
+            times[i].append(fns[i]())
     return [min(seconds) for seconds in times]
 
 
