@@ -42,14 +42,15 @@ run: install
 test: install
 	$(RUN_ENV) $(BIN)/python -m pytest -q
 
-# Both write their JSON lines to bench/results/ too; `make bench` also redraws the
-# committed plots in docs/bench/ (review the diff before committing it).
-TODAY := $(shell date +%F)
+# Both write their JSON lines to a new bench/results/ file named for the minute (bench
+# refuses to overwrite one); `make bench` also redraws the committed plots in docs/bench/
+# (review the diff before committing it).
+STAMP := $(shell date +%Y-%m-%dT%H%M)
 
 bench: install bench-llama
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(RUN_ENV) $(BIN)/python -m bench --json --plots docs/bench \
-	  --llama-python $(LLAMA_VENV)/bin/python --out bench/results/cpu-full-$(TODAY).jsonl
+	  --llama-python $(LLAMA_VENV)/bin/python --out bench/results/cpu-full-$(STAMP).jsonl
 
 # llama.cpp for `over_llama_cpp`, built from source (native CPU flags, no llava) in its own
 # benchmark-only venv: ~10 minutes on 2 cores, once. AMX is compiled out on x86-64: on
@@ -73,7 +74,7 @@ $(LLAMA_VENV)/.installed:
 
 bench-quick: install
 	$(BIN)/pip install --quiet -e ".[bench]"
-	$(RUN_ENV) $(BIN)/python -m bench --quick --json --out bench/results/cpu-quick-$(TODAY).jsonl
+	$(RUN_ENV) $(BIN)/python -m bench --quick --json --out bench/results/cpu-quick-$(STAMP).jsonl
 
 lint: install
 	$(BIN)/pip install --quiet ruff

@@ -1,4 +1,12 @@
-"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR] [--out FILE]"""
+"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR] [--out FILE]
+
+Prefill benchmarks for prefillq on this machine: side-by-side ratios (chunked over one
+pass, our forward over mlx-lm's, the queue over in-process, ours over llama.cpp), a short
+job's wait under a long prefill, RSS growth over the planned bytes, and tokens/s curves.
+The quick suite takes 5-6 minutes on 2 cores; the full suite (no --quick) ~25 minutes plus
+llama.cpp with --llama-python. Bounded metrics carry "holds"; stderr ends with one
+holds/MISSED line per bound. See the README's Benchmarks section.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .common import Recorder, log
+from .common import Recorder, load_or_exit, log
 
 QUICK_TOKENS = 4096
 
@@ -42,11 +50,15 @@ def _context() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="5-6 minutes on 2 cores: a 4K-token prompt, no llama.cpp")
-    p.add_argument("--json", action="store_true", help="one JSON line per measurement")
-    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON line per measurement (default: aligned text lines)")
+    p.add_argument("--model", default="gemma3-270m",
+                   help="registry name (default %(default)s; the mlx-lm and llama.cpp "
+                   "ratios need it)")
     p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
     p.add_argument("--out", type=Path,
                    help="also write the context and every record, one JSON line each, here")
@@ -60,19 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-curve-tokens", type=int, default=8192,
                    help="prompt length of the chunk-size curve (default %(default)s)")
     args = p.parse_args(argv)
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} exists; results files are never overwritten")
 
     from worker.blas import ensure_blas
 
     ensure_blas()
-    from model.registry import load_model
-
     from . import llama_cpp, memory, prefill, queue, ratios
 
+    t0 = time.perf_counter()
+    loaded = load_or_exit(p, args.model)
     context = _context()
     rec = Recorder(args.json, context, args.out)
     log(f"bench: {json.dumps(context)}")
-    t0 = time.perf_counter()
-    loaded = load_model(args.model)
     rec("load_seconds", loaded.load_seconds, "s", model=loaded.name)
 
     n = QUICK_TOKENS

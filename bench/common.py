@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -88,6 +89,20 @@ class Recorder:
                 verdict = "holds " if r["holds"] else "MISSED"
                 lines.append(f"{verdict} {r['metric']} = {r['value']:.3g} (want {bound})")
         return lines
+
+
+def load_or_exit(parser: argparse.ArgumentParser, name: str):
+    """`model.registry.load_model(name)`, after checking ``$PREFILLQ_CPU_STREAMS``; a bad
+    name or setting ends the run with one line (``parser.error``, exit status 2) instead of
+    a traceback."""
+    from model.registry import UnknownModel, load_model
+    from model.streams import cpu_streams
+
+    try:
+        cpu_streams()
+        return load_model(name)
+    except (UnknownModel, ValueError) as e:
+        parser.error(str(e.args[0]) if e.args else str(e))
 
 
 def log(message: str) -> None:

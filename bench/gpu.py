@@ -1,6 +1,8 @@
 """Absolute prefill throughput on a GPU (bf16, random weights), and model FLOPs utilisation.
 
-    python -m bench.gpu [--quick]     # one JSON line per measurement
+    python -m bench.gpu [--quick] [--deepseek4-layers N] [--out FILE]
+
+One JSON line per measurement on stdout (and in FILE with --out, after a context line).
 
 Throughput does not depend on weight values (routing aside), so the models are built at the
 real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
@@ -11,7 +13,9 @@ mask) against a bf16 matmul ceiling measured in the same run.
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -24,7 +28,8 @@ from .common import Recorder, log
 # chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
 REPEATS = 5
 
-# The practical bf16 ceiling measured with PyTorch on an H200 (shared/GPU.md).
+# The practical bf16 ceiling PyTorch reached on an H200 (torch.matmul, 8192^3, bf16),
+# measured by the team before this benchmark existed; MLX's own is measured each run.
 TORCH_BF16_CEILING_TFLOPS = 790.0
 
 GEMMA3_270M = gemma3.ModelArgs(
@@ -138,12 +143,19 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
-    p.add_argument("--quick", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="one case per model (8,192 tokens in 2,048-token chunks)")
     p.add_argument("--deepseek4-layers", type=int, default=4,
-                   help="layers of DeepSeek-V4-Flash to build (0: skip)")
+                   help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the context and every record here")
     args = p.parse_args(argv)
-    rec = Recorder(True, {})
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} exists; results files are never overwritten")
+    context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+               "mlx": mx.__version__}
+    rec = Recorder(True, context, args.out)
     log(f"device {mx.default_device()}, mlx {mx.__version__}")
     ceiling = matmul_tflops()
     rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))

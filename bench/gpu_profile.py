@@ -68,9 +68,12 @@ def profile_case(rec: Recorder, label: str, model, targets, n: int, chunk: int) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4,
+                   help="DeepSeek-V4-Flash layers to build (default %(default)s)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768],
+                   help="prompt lengths (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="chunk size in tokens (default %(default)s)")
     args = p.parse_args(argv)
     rec = Recorder(True, {"device": str(mx.default_device()), "mlx": mx.__version__})
     from model import deepseek4, gemma3

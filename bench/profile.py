@@ -17,7 +17,7 @@ import json
 
 import mlx.core as mx
 
-from .common import timed
+from .common import load_or_exit, timed
 
 
 def _time(fn, repeats: int) -> float:
@@ -89,7 +89,8 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gemma3-270m", help="registry name (default %(default)s)")
     p.add_argument("--chunk", type=int, default=2048,
                    help="query rows in the chunk (default %(default)s)")
@@ -101,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.blas import ensure_blas
 
     ensure_blas()
-    from model.registry import load_model
-
-    loaded = load_model(args.model)
+    loaded = load_or_exit(p, args.model)
     for row in profile(loaded, args.chunk, args.position, args.repeats):
         print(json.dumps(row), flush=True)
     return 0

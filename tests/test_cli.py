@@ -67,6 +67,34 @@ def test_bad_input_exits_nonzero_with_a_message(redis_server):
         "prefillq: error: no job 'no-such-job' (never submitted, or expired)")
 
 
+def test_bad_model_or_settings_fail_in_one_line_before_any_load():
+    proc = prefillq("run", "--model", "nope", "--quiet")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "prefillq: error: unknown model 'nope'")
+    assert "Traceback" not in proc.stderr
+    proc = prefillq("run", "--chunk-tokens", "0", "x")
+    assert proc.returncode == 2 and "loading" not in proc.stderr
+    assert "--chunk-tokens: want an integer >= 1, got '0'" in proc.stderr
+    proc = prefillq("run", "--quiet", env={**os.environ, "PREFILLQ_CPU_STREAMS": "0"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "prefillq: error: PREFILLQ_CPU_STREAMS='0': want a positive integer")
+
+
+def test_bench_refuses_a_bad_model_and_an_existing_results_file(tmp_path):
+    out = tmp_path / "results.jsonl"
+    out.write_text("{}\n")
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "exists; results files are never overwritten" in proc.stderr
+    assert out.read_text() == "{}\n"
+    proc = subprocess.run([sys.executable, "-m", "bench.profile", "--model", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "unknown model 'nope'" in proc.stderr
+
+
 def test_unreachable_redis_is_a_one_line_error():
     import socket
 

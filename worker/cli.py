@@ -34,6 +34,21 @@ class CLIError(Exception):
     """A usage or input error: printed as one line, exit status 2."""
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (so a bad size fails before the model loads).
+
+    Raises:
+        argparse.ArgumentTypeError: `text` is not such an integer.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
+    return value
+
+
 def _device_summary() -> str:
     """``gpu`` or ``cpu, N streams`` (`model.streams.cpu_streams`)."""
     import mlx.core as mx
@@ -46,7 +61,7 @@ def _device_summary() -> str:
 
 
 def _load_models(specs: list[str], context_length: int | None) -> dict:
-    from model.registry import load_model
+    from model.registry import UnknownModel, load_model
 
     from .blas import blas_summary
 
@@ -54,7 +69,10 @@ def _load_models(specs: list[str], context_length: int | None) -> dict:
     models = {}
     for spec in specs:
         print(f"loading {spec} ...", file=sys.stderr, flush=True)
-        loaded = load_model(spec, context_length=context_length)
+        try:
+            loaded = load_model(spec, context_length=context_length)
+        except UnknownModel as e:
+            raise CLIError(str(e.args[0])) from e
         print(
             f"loaded {loaded.name} ({loaded.architecture}, {loaded.dtype}, "
             f"context {loaded.context_length}) in {loaded.load_seconds:.1f} s "
@@ -126,8 +144,9 @@ def _print_result(record: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(record))
         return
+    chunks = record["chunks"]
     print(f"job {record['job_id']}: {record['state']}, {record['n_tokens']} tokens "
-          f"in {record['chunks']} chunks")
+          f"in {chunks} chunk{'' if chunks == 1 else 's'}")
     timings = record.get("timings")
     if timings:
         print(f"prefill {timings['prefill_s']:.2f} s ({timings['tokens_per_s']:.0f} tok/s), "
@@ -325,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-file")
     run.add_argument("--model", default=DEFAULT_MODEL)
     run.add_argument("--top-k", type=int, default=10, help="tokens to print (default 10)")
-    run.add_argument("--chunk-tokens", type=int,
+    run.add_argument("--chunk-tokens", type=positive_int,
                      help="exact chunk size in tokens (default: 2,048, window-aligned)")
     run.add_argument("--json", action="store_true")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -338,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name")
     worker.add_argument("--model", action="append",
                         help="model to serve: a registry name or NAME=/path.gguf (repeatable)")
-    worker.add_argument("--chunk-tokens", type=int,
+    worker.add_argument("--chunk-tokens", type=positive_int,
                         help="cap on chunk size in tokens (default: 2,048, window-aligned)")
     worker.add_argument("--max-active", type=int, default=4,
                         help="jobs resident at once, advanced round-robin (default 4)")
@@ -368,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--session", help="session id (stored; prefix reuse comes later)")
     submit.add_argument("--priority", type=int, default=0,
                         help="higher is admitted first (default 0)")
-    submit.add_argument("--chunk-tokens", type=int, help="per-job cap on chunk size")
+    submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
     submit.set_defaults(func=cmd_submit)
 
     plan = sub.add_parser("plan", help="print a model's KV cache plan (no weights needed)")
