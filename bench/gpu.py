@@ -3,6 +3,9 @@
     python -m bench.gpu [--quick] [--deepseek4-layers N] [--out FILE]
 
 One JSON line per measurement on stdout (and in FILE with --out, after a context line).
+Cases: Gemma 3 270M shapes at 8,192 and 32,768 tokens in 2,048- and 8,192-token chunks,
+then DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick
+keeps the first of each. Each case is the fastest of 5 prefills after a warm-up one.
 
 Throughput does not depend on weight values (routing aside), so the models are built at the
 real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
@@ -151,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
     p.add_argument("--out", type=Path, help="also write the context and every record here")
     args = p.parse_args(argv)
+    if mx.default_device() != mx.gpu:
+        p.error(f"no GPU: MLX's default device is {mx.default_device()} (install mlx[cuda13] "
+                "on NVIDIA, or run on Apple silicon)")
     if args.out is not None and args.out.exists():
         p.error(f"--out {args.out} exists; results files are never overwritten")
     context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),

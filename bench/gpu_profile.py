@@ -67,7 +67,8 @@ def profile_case(rec: Recorder, label: str, model, targets, n: int, chunk: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4,
                    help="DeepSeek-V4-Flash layers to build (default %(default)s)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768],

@@ -7,7 +7,11 @@ Each group runs alone, split over CPU streams as in the model (`model.streams`;
 weights, a chunk of `--chunk` queries at `--position`), is `mx.eval`-ed, and is timed as the
 fastest of `--repeats`. Each group's time times the number of times it runs per forward
 pass (per layer, per layer kind), summed over groups, predicts a chunk's time; the measured
-time of a whole chunk is printed next to it. One JSON line per group.
+time of a whole chunk is printed next to it. Expect the sum to exceed the measurement (1.5x
+on a 2-core AMD EPYC): timed alone, each group synchronizes and allocates on its own and
+cannot overlap with the others as in the whole graph, so read the groups as shares. Group
+names say what runs and how often per forward (``norms_6``: the six RMS norms of a layer).
+One JSON line per group.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class Attention(nn.Module):
              ) -> mx.array:
         """The chunk's queries ``(B, heads, L, head_dim)`` over the keys and mask its cache
         returned (`GlobalKVCache.update`, `RingKVCache.update`); long chunks in blocks."""
-        if q.shape[2] > attention_block() and mask is not None:
+        if q.shape[2] > blocked_above() and mask is not None:
             return self.attend(blocked_attention, q, keys, values, self.scale, position,
                                self.window)
         return self.attend(_attention, q, keys, values, self.scale, mask)
@@ -149,6 +149,17 @@ def attention_block() -> int:
     matched unblocked (146K).
     """
     return 512 if mx.default_device() == mx.cpu else 1024
+
+
+def blocked_above() -> int:
+    """Chunk length in queries above which `Attention.core` attends in blocks.
+
+    On the CPU, the block size: any chunk longer than one block pays. On an H200, 2,048:
+    there blocks of 1,024 took an 8,192-token chunk from 132K to 196K tok/s (8K prompt;
+    86K -> 148K on a 32K prompt), but split into two they slowed a 2,048-token chunk from
+    161K to 137K (123K -> 116K on 32K), fastest of 4 alternating runs each, 2026-12-01.
+    """
+    return attention_block() if mx.default_device() == mx.cpu else 2048
 
 
 def _attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
