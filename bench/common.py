@@ -79,7 +79,6 @@ class Recorder:
             print(f"{metric:>28} = {value:10.4g} {unit}  ({extra})", flush=True)
         return record
 
-
     def bounds_report(self) -> list[str]:
         """One line per bounded measurement: ``holds`` or ``MISSED`` with value and bound."""
         lines = []
