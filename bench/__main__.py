@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .common import Recorder, load_or_exit, log
+from .common import Recorder, load_or_exit, log, refuse_existing
 
 QUICK_TOKENS = 4096
 
@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-curve-tokens", type=int, default=8192,
                    help="prompt length of the chunk-size curve (default %(default)s)")
     args = p.parse_args(argv)
-    if args.out is not None and args.out.exists():
-        p.error(f"--out {args.out} exists; results files are never overwritten")
+    refuse_existing(p, args.out)
 
     from worker.blas import ensure_blas
 

@@ -90,6 +90,13 @@ class Recorder:
         return lines
 
 
+def refuse_existing(parser: argparse.ArgumentParser, out: Path | None) -> None:
+    """End the run (``parser.error``, exit status 2) if results file `out` already exists:
+    results are never overwritten."""
+    if out is not None and out.exists():
+        parser.error(f"--out {out} exists; results files are never overwritten")
+
+
 def load_or_exit(parser: argparse.ArgumentParser, name: str):
     """`model.registry.load_model(name)`, after checking ``$PREFILLQ_CPU_STREAMS``; a bad
     name or setting ends the run with one line (``parser.error``, exit status 2) instead of

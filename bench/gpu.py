@@ -25,7 +25,7 @@ import mlx.core as mx
 from model import gemma3
 from model.prefill import start_prefill
 
-from .common import Recorder, log
+from .common import Recorder, log, refuse_existing
 
 # Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
 # chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
@@ -157,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if mx.default_device() != mx.gpu:
         p.error(f"no GPU: MLX's default device is {mx.default_device()} (install mlx[cuda13] "
                 "on NVIDIA, or run on Apple silicon)")
-    if args.out is not None and args.out.exists():
-        p.error(f"--out {args.out} exists; results files are never overwritten")
+    refuse_existing(p, args.out)
     context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
                "mlx": mx.__version__}
     rec = Recorder(True, context, args.out)

@@ -60,17 +60,19 @@ def _worker(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, Pre
 
 
 @contextmanager
-def queued_prefill(loaded: LoadedModel) -> Iterator[Callable[[list[int]], PrefillResult]]:
+def queued_prefill(loaded: LoadedModel, top_k: int = 5, **worker_kwargs
+                   ) -> Iterator[Callable[[list[int]], PrefillResult]]:
     """A callable that submits token ids to a fresh redis-server, runs the in-process worker
-    until the queue is empty (``work(burst=True)``) and returns the job's result. Its
-    ``timings["prefill_s"]`` spans the job's first start to ``finished``: every chunk's RQ
-    dequeue, cancel check, fenced checkpoint and continuation enqueue, then the final logits,
-    top-k and publish; worker start-up and queue wait are outside it."""
+    (`PrefillWorker` with `worker_kwargs`) until the queue is empty (``work(burst=True)``)
+    and returns the job's result. Its ``timings["prefill_s"]`` spans the job's first start
+    to ``finished``: every chunk's RQ dequeue, cancel check, fenced checkpoint and
+    continuation enqueue, then the final logits, top-k and publish; worker start-up and
+    queue wait are outside it."""
     with RedisServer() as url:
-        worker, client = _worker(url, loaded)
+        worker, client = _worker(url, loaded, **worker_kwargs)
 
         def run(ids: list[int]) -> PrefillResult:
-            job = client.submit(tokens=ids, model=loaded.name, top_k=5)
+            job = client.submit(tokens=ids, model=loaded.name, top_k=top_k)
             worker.work(burst=True, logging_level="WARNING")
             return client.result(job, timeout=0)
 
@@ -88,13 +90,10 @@ def queue_overhead_per_chunk(rec: Recorder, chunks: int = 64, chunk_tokens: int 
     tiny = load_model("gemma3-tiny")
     ids = [i % tiny.vocab_size for i in range(chunks * chunk_tokens)]
     log(f"queue overhead per chunk: {chunks} chunks of {chunk_tokens} tokens, tiny model")
-    with RedisServer() as url:
-        worker, client = _worker(url, tiny, chunk_tokens=chunk_tokens)
-        per_chunk = []
+    per_chunk = []
+    with queued_prefill(tiny, top_k=1, chunk_tokens=chunk_tokens) as submit_and_work:
         for _ in range(repeats + 1):  # the first run warms MLX and the scripts
-            job = client.submit(tokens=ids, model=tiny.name, top_k=1)
-            worker.work(burst=True, logging_level="WARNING")
-            result = client.result(job, timeout=0)
+            result = submit_and_work(ids)
             t = result.timings
             per_chunk.append((t["prefill_s"] - t["compute_s"]) / result.chunks_done)
     rec("queue_overhead_ms_per_chunk", min(per_chunk[1:]) * 1e3, "ms",
