@@ -7,8 +7,8 @@ BIN    := $(VENV)/bin
 UNAME  := $(shell uname -s)
 
 # MLX's Linux CPU wheel ships the reference BLAS (~45x slower): preload OpenBLAS, with its
-# kernels named for this CPU (worker/blas.py says why). Evaluated by the shell at run time.
-RUN_ENV = env $$($(BIN)/python -m worker.blas)
+# kernels named for this CPU (model/runtime/blas.py says why). Evaluated by the shell at run time.
+RUN_ENV = env $$($(BIN)/python -m model.runtime.blas)
 ifeq ($(UNAME),Linux)
 BLAS_GLOB := /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -38,8 +38,8 @@ def _cpu_name() -> str:
 def _context() -> dict:
     import mlx.core as mx
 
-    from model.streams import cpu_streams
-    from worker.blas import blas_summary
+    from model.runtime.blas import blas_summary
+    from model.runtime.streams import cpu_streams
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
 
-    from worker.blas import ensure_blas
+    from model.runtime.blas import ensure_blas
 
     ensure_blas()
     from . import llama_cpp, memory, prefill, queue, ratios

@@ -102,7 +102,7 @@ def load_or_exit(parser: argparse.ArgumentParser, name: str):
     name or setting ends the run with one line (``parser.error``, exit status 2) instead of
     a traceback."""
     from model.registry import UnknownModel, load_model
-    from model.streams import cpu_streams
+    from model.runtime.streams import cpu_streams
 
     try:
         cpu_streams()

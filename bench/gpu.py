@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from model import gemma3
+from model.archs import gemma3
 from model.prefill import start_prefill
 
 from .common import Recorder, log, refuse_existing
@@ -128,7 +128,7 @@ def deepseek4_flops(args, n: int) -> float:
 
 
 def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: int) -> None:
-    from model import deepseek4
+    from model.archs import deepseek4
 
     args = deepseek4.flash_args()
     log(f"deepseek4-flash shapes, {n_layers} layers (random weights, bf16)")

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="chunk size in tokens (default %(default)s)")
     args = p.parse_args(argv)
     rec = Recorder(True, {"device": str(mx.default_device()), "mlx": mx.__version__})
-    from model import deepseek4, gemma3
+    from model.archs import deepseek4, gemma3
 
     gemma = gemma3_model()
     for n in args.tokens:

@@ -2,7 +2,7 @@
 
     python -m bench.profile [--chunk 2048] [--position 2048] [--repeats 3]
 
-Each group runs alone, split over CPU streams as in the model (`model.streams`;
+Each group runs alone, split over CPU streams as in the model (`model.runtime.streams`;
 ``PREFILLQ_CPU_STREAMS=1`` for one stream), on arrays of the real shapes (the loaded model's
 weights, a chunk of `--chunk` queries at `--position`), is `mx.eval`-ed, and is timed as the
 fastest of `--repeats`. Each group's time times the number of times it runs per forward
@@ -30,8 +30,8 @@ def _time(fn, repeats: int) -> float:
 
 
 def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
-    from model.gemma3 import gelu_gate
-    from model.streams import split_map
+    from model.archs.gemma3 import gelu_gate
+    from model.runtime.streams import split_map
 
     a = loaded.model.args
     blk = loaded.model.blk[0]
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3,
                    help="time each group as the fastest of this many runs (default %(default)s)")
     args = p.parse_args(argv)
-    from worker.blas import ensure_blas
+    from model.runtime.blas import ensure_blas
 
     ensure_blas()
     loaded = load_or_exit(p, args.model)

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import deepseek4, deepseek4_cache, gemma3
+from .archs import deepseek4, gemma3
+from .archs.deepseek4 import cache as deepseek4_cache
 from .cache import plan_cache
-from .loader import GGUFError, GGUFFile, file_sha256, read_gguf
+from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
+from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .prefill import Prefill, PrefillModel, start_prefill
-from .streams import cpu_streams
-from .synthetic import tiny_deepseek4_path, tiny_gemma3_path
+from .runtime.streams import cpu_streams
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "gemma3-270m"

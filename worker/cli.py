@@ -50,10 +50,10 @@ def positive_int(text: str) -> int:
 
 
 def _device_summary() -> str:
-    """``gpu`` or ``cpu, N streams`` (`model.streams.cpu_streams`)."""
+    """``gpu`` or ``cpu, N streams`` (`model.runtime.streams.cpu_streams`)."""
     import mlx.core as mx
 
-    from model.streams import cpu_streams
+    from model.runtime.streams import cpu_streams
 
     if mx.default_device() == mx.gpu:
         return "gpu"
@@ -62,8 +62,7 @@ def _device_summary() -> str:
 
 def _load_models(specs: list[str], context_length: int | None) -> dict:
     from model.registry import UnknownModel, load_model
-
-    from .blas import blas_summary
+    from model.runtime.blas import blas_summary
 
     print(f"BLAS: {blas_summary()}", file=sys.stderr, flush=True)
     models = {}
@@ -220,7 +219,8 @@ def worker_connection(url: str | None):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .blas import blas_summary
+    from model.runtime.blas import blas_summary
+
     from .worker import PrefillWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runs_mlx = args.command == "worker" or (args.command == "run" and not args.redis)
     if argv is None and runs_mlx:
-        from .blas import ensure_blas
+        from model.runtime.blas import ensure_blas
 
         ensure_blas()  # may re-exec this command with an optimized BLAS preloaded
     from redis.exceptions import ConnectionError as RedisConnectionError

@@ -22,8 +22,7 @@ import redis
 from jobs import JobState, PrefillClient, keys
 from jobs.reaper import reap
 from jobs.serializer import packb
-
-from .conftest import RedisServer
+from tests.conftest import RedisServer
 
 MODEL = "gemma3-tiny"
 

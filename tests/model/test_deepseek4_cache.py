@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from model import cache as base
-from model import deepseek4_cache as dc
-from model.deepseek4 import ModelArgs, flash_args
-from model.loader import read_gguf
-from model.synthetic import tiny_deepseek4_path
+from model.archs.deepseek4 import ModelArgs, flash_args
+from model.archs.deepseek4 import cache as dc
+from model.gguf.reader import read_gguf
+from model.gguf.synthetic import tiny_deepseek4_path
 
 FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8  # = 6,880 (DESIGN.md §7)
 

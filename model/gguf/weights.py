@@ -7,7 +7,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .loader import GGUFError, GGUFFile
+from .reader import GGUFError, GGUFFile
 
 
 def load_gguf_weights(

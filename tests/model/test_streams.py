@@ -1,4 +1,4 @@
-"""Parallel CPU streams (`model.streams`) change how ops are scheduled, never their values."""
+"""CPU streams (`model.runtime.streams`) change how ops are scheduled, never their values."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from model.gguf.synthetic import write_tiny_gemma3
 from model.registry import load_model
-from model.streams import cpu_streams, split_map
-from model.synthetic import write_tiny_gemma3
+from model.runtime.streams import cpu_streams, split_map
 
 
 def test_split_map_equals_the_whole_op():

@@ -24,9 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .deepseek4_cache import OVERLAP_RATIO, Deepseek4Cache, LayerCache
-from .loader import GGUFFile
-from .weights import load_gguf_weights
+from ...gguf.reader import GGUFFile
+from ...gguf.weights import load_gguf_weights
+from .cache import OVERLAP_RATIO, Deepseek4Cache, LayerCache
 
 ARCHITECTURE = "deepseek4"
 # Attention scores held at once per layer (elements): long chunks run in query blocks.

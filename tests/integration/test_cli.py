@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from worker.blas import find_blas, openblas_coretype
+from model.runtime.blas import find_blas, openblas_coretype
 
 
 def prefillq(*args: str, env: dict | None = None, timeout: int = 300):
@@ -114,7 +114,7 @@ def test_entry_point_preloads_an_optimized_blas():
     dropped = ("LD_PRELOAD", "PREFILLQ_BLAS_REEXEC", "OPENBLAS_CORETYPE")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     code = (
-        "import os; from worker.blas import ensure_blas, loaded_blas; ensure_blas(); "
+        "import os; from model.runtime.blas import ensure_blas, loaded_blas; ensure_blas(); "
         "import mlx.core; print(os.environ.get('OPENBLAS_CORETYPE')); "
         "print('\\n'.join(loaded_blas()))"
     )

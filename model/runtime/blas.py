@@ -134,7 +134,7 @@ def ensure_blas() -> str:
 
 
 def main() -> int:
-    """``python -m worker.blas``: print `blas_env` as shell assignments (for the Makefile)."""
+    """``python -m model.runtime.blas``: print `blas_env` as shell assignments (Makefile)."""
     print(" ".join(f"{k}={v}" for k, v in blas_env().items()))
     return 0
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from model.loader import GGUFError, read_gguf
-from model.synthetic import DEEPSEEK4_TINY, write_tiny_deepseek4
-from tests.deepseek4_reference import (
+from model.gguf.reader import GGUFError, read_gguf
+from model.gguf.synthetic import DEEPSEEK4_TINY, write_tiny_deepseek4
+from tests.model.deepseek4_reference import (
     apply_rope,
     compress,
     load_config,

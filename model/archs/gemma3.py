@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import LayerSpec, ModelCache
-from .loader import GGUFFile
-from .streams import split_map
-from .weights import load_gguf_weights
+from ..cache import LayerSpec, ModelCache
+from ..gguf.reader import GGUFFile
+from ..gguf.weights import load_gguf_weights
+from ..runtime.streams import split_map
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.

@@ -32,9 +32,8 @@ EXACT_RTOL = 1e-3
 N_EXACT = 600
 N_SHORT = 40  # the chunk-size-1 prompt
 N_PAST_DEFAULT = 2300  # default chunking splits it: 2,048 + 252
-N_CASES = len(
-    json.loads((Path(__file__).parent / "data" / "gemma3-270m-llamacpp.json").read_text())["cases"]
-)
+DATA = Path(__file__).parents[1] / "data"
+N_CASES = len(json.loads((DATA / "gemma3-270m-llamacpp.json").read_text())["cases"])
 
 
 def report(request, lines: list[str]) -> None:
@@ -291,7 +290,7 @@ def test_blocked_attention_equals_the_masked_one(position, L, block, window):
     keys as `GlobalKVCache` does (every earlier row)."""
     import mlx.core as mx
 
-    from model.gemma3 import blocked_attention
+    from model.archs.gemma3 import blocked_attention
 
     n_prev = min(position, window - 1) if window else position
     rng = np.random.default_rng(position * 100 + L)

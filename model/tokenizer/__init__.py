@@ -70,7 +70,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Builds the tokenizer from GGUF key-value metadata (as `model.loader` returns it).
+        """Builds the tokenizer from GGUF key-value metadata (as `model.gguf.reader` returns it).
 
         Takes about 3 s for Gemma 3's 262,144-token vocabulary, mostly deriving merges.
 

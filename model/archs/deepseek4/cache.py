@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import cache as base
+from ... import cache as base
 
 SUPPORTED_RATIOS = (0, 4, 128)
 OVERLAP_RATIO = 4  # only ratio-4 compressors overlap (and only ratio-4 layers index)

@@ -25,7 +25,7 @@ import pytest
 
 from model.tokenizer import GPT2_PRE_TOKENIZERS, Tokenizer, TokenizerError
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 VOCAB_GGUF = DATA / "gpt2-vocab-deepseek3.gguf"
 REFERENCE_JSON = DATA / "gpt2-vocab-llamacpp.json"
 
@@ -261,7 +261,7 @@ CASE_IDS = [
 
 
 def _metadata(path: Path) -> dict:
-    from model.loader import read_gguf
+    from model.gguf.reader import read_gguf
 
     return read_gguf(path).metadata
 
@@ -442,12 +442,10 @@ def test_unknown_model_still_rejected(metadata):
 
 
 def test_tiny_deepseek4_vocab_tokenizes(tmp_path):
-    synthetic = pytest.importorskip("model.synthetic")
-    write = getattr(synthetic, "write_tiny_deepseek4", None)
-    if write is None:
-        pytest.skip("model.synthetic.write_tiny_deepseek4 does not exist yet")
+    from model.gguf.synthetic import write_tiny_deepseek4
+
     path = tmp_path / "tiny-deepseek4.gguf"
-    write(path)
+    write_tiny_deepseek4(path)
     md = _metadata(path)
     assert md["tokenizer.ggml.model"] == "gpt2"
     assert md["tokenizer.ggml.pre"] == "deepseek-v3"

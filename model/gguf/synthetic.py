@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from .loader import file_sha256
+from .reader import file_sha256
 
 CACHE_DIR_ENV = "PREFILLQ_CACHE_DIR"
 
@@ -351,7 +351,7 @@ def tiny_deepseek4_path() -> tuple[Path, str]:
     """
 
     def is_current(path: Path) -> bool:
-        from .loader import GGUFError, read_gguf
+        from .reader import GGUFError, read_gguf
 
         try:
             return read_gguf(path).metadata.get("general.name") == DEEPSEEK4_TINY_NAME
