@@ -8,12 +8,14 @@
 
 from .client import PrefillClient
 from .errors import (
+    EmptyPrompt,
     InvalidRequest,
     JobCanceled,
     JobFailed,
     JobNotFound,
     JobTimeout,
     PrefillQError,
+    PromptTooLong,
     QueueFull,
     TokenOutOfRange,
     UnknownModel,
@@ -21,6 +23,8 @@ from .errors import (
 from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
 
 __all__ = [
+    "EmptyPrompt",
+    "PromptTooLong",
     "InvalidRequest",
     "JobCanceled",
     "JobFailed",

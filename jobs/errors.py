@@ -1,5 +1,9 @@
 """Errors a client sees. Input errors are raised at `submit`; a job that fails later carries
-``error.type`` (e.g. ``PromptTooLong``, ``ModelError``, ``WorkerLost``) in its status."""
+``error.type`` (e.g. ``PromptTooLong``, ``ModelError``, ``WorkerLost``) in its status.
+
+The input errors a worker finds after tokenizing (`EmptyPrompt`, `TokenOutOfRange`,
+`PromptTooLong`) are these same classes: the job's ``error.type`` is the class name.
+"""
 
 from __future__ import annotations
 
@@ -45,3 +49,11 @@ class JobCanceled(PrefillQError):
 
 class JobTimeout(PrefillQError, TimeoutError):
     """`result` waited its timeout and the job is not terminal yet."""
+
+
+class EmptyPrompt(InvalidRequest):
+    """The prompt has no tokens (found at submit for token ids, by the worker for text)."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt has more tokens than the model's serving context."""

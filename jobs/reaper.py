@@ -14,11 +14,11 @@ import logging
 from dataclasses import dataclass
 
 from redis import Redis
-from rq import Queue
 
 from . import keys
-from .client import requeue_to_intake
-from .schema import DEFAULT_RESULT_TTL_S, now
+from .defaults import DEFAULT_RESULT_TTL_S
+from .queues import requeue_to_intake, sticky_queue
+from .schema import now
 from .scripts import Scripts
 
 log = logging.getLogger("prefillq.reaper")
@@ -61,7 +61,7 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
             reaped.append(Reaped(worker, job_id, outcome))
             log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)
         # its sticky queue holds only continuations of caches that no longer exist
-        Queue(keys.sticky_queue(worker), connection=redis).delete(delete_jobs=True)
+        sticky_queue(redis, worker).delete(delete_jobs=True)
         redis.delete(keys.worker_jobs(worker))
         redis.srem(keys.WORKERS, worker)
     return reaped

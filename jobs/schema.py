@@ -1,7 +1,7 @@
-"""Job states and the records clients read: `JobStatus` and `PrefillResult`.
+"""What clients read: job states, `JobStatus` and `PrefillResult`.
 
-A job is one Redis hash (``keys.job(id)``); these classes decode it. Field names and
-meanings are DESIGN.md §2.
+A job is one Redis hash, decoded by `jobs.record.JobRecord`; `JobRecord.status()` gives the
+`JobStatus`. The README's "Job lifecycle" table gives each field's meaning.
 """
 
 from __future__ import annotations
@@ -13,15 +13,6 @@ from enum import Enum
 from typing import Any
 
 from .serializer import unpackb
-
-DEFAULT_MAX_ATTEMPTS = 3
-# Once terminal, a job's record (status + top-k result) lives this long; full logits less.
-DEFAULT_RESULT_TTL_S = 24 * 3600
-DEFAULT_LOGITS_TTL_S = 3600
-# A worker counts as dead this long after its last heartbeat.
-DEFAULT_HEARTBEAT_TTL_S = 30
-# Error messages are capped so a pathological input cannot bloat Redis.
-MAX_ERROR_CHARS = 2000
 
 
 class JobState(str, Enum):
@@ -52,24 +43,9 @@ def now() -> float:
     return time.time()
 
 
-def _str(raw: dict[bytes, bytes], name: str) -> str | None:
-    value = raw.get(name.encode())
-    return None if value is None or value == b"" else value.decode()
-
-
-def _int(raw: dict[bytes, bytes], name: str, default: int | None = 0) -> int | None:
-    value = _str(raw, name)
-    return default if value is None else int(value)
-
-
-def _float(raw: dict[bytes, bytes], name: str) -> float | None:
-    value = _str(raw, name)
-    return None if value is None else float(value)
-
-
 @dataclass
 class JobStatus:
-    """A job's status as the client sees it (DESIGN.md §2). Times are UTC epoch seconds."""
+    """A job's status as the client sees it. Times are UTC epoch seconds, sizes tokens."""
 
     job_id: str
     state: JobState
@@ -88,35 +64,6 @@ class JobStatus:
     updated_at: float | None
     finished_at: float | None
     error: dict[str, str] | None
-
-    @classmethod
-    def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> JobStatus:
-        n_tokens = _int(raw, "n_tokens", None)
-        cursor = _int(raw, "cursor") or 0
-        error_type = _str(raw, "error_type")
-        return cls(
-            job_id=job_id,
-            state=JobState(_str(raw, "state")),
-            model=_str(raw, "model") or "",
-            n_tokens=n_tokens,
-            cursor=cursor,
-            progress=(cursor / n_tokens) if n_tokens else 0.0,
-            recovery_position=_int(raw, "recovery_position", None),
-            chunks_done=_int(raw, "chunks_done") or 0,
-            cached_tokens=_int(raw, "cached_tokens") or 0,
-            attempts=_int(raw, "attempts") or 0,
-            cancel_requested=bool(_int(raw, "cancel_requested")),
-            worker=_str(raw, "worker"),
-            enqueued_at=_float(raw, "enqueued_at"),
-            started_at=_float(raw, "started_at"),
-            updated_at=_float(raw, "updated_at"),
-            finished_at=_float(raw, "finished_at"),
-            error=(
-                {"type": error_type, "message": _str(raw, "error_message") or ""}
-                if error_type
-                else None
-            ),
-        )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -16,15 +16,17 @@ import threading
 from pathlib import Path
 
 from jobs import JobCanceled, JobFailed, PrefillClient, PrefillQError, PrefillResult
-from jobs.client import DEFAULT_TOP_K, REDIS_URL_ENV, redis_url
-from jobs.schema import (
+from jobs.client import redis_url
+from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
+    DEFAULT_MODEL,
     DEFAULT_RESULT_TTL_S,
-    JobStatus,
+    DEFAULT_TOP_K,
+    REDIS_URL_ENV,
 )
+from jobs.schema import JobStatus
 
-DEFAULT_MODEL = "gemma3-270m"
 SAMPLE_PROMPT = "The capital of France is"
 
 log = logging.getLogger("prefillq")

@@ -33,24 +33,25 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 
 from jobs import keys
-from jobs.client import (
+from jobs.defaults import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_LOGITS_TTL_S,
+    DEFAULT_RESULT_TTL_S,
+    MAX_ERROR_CHARS,
+)
+from jobs.queues import (
     CHUNK_FUNCTION,
     enqueue_chunk,
     intake_priorities,
     intake_queue,
     requeue_to_intake,
+    sticky_queue,
 )
 from jobs.reaper import reap
-from jobs.schema import (
-    DEFAULT_HEARTBEAT_TTL_S,
-    DEFAULT_LOGITS_TTL_S,
-    DEFAULT_RESULT_TTL_S,
-    MAX_ERROR_CHARS,
-    LogitsMode,
-    now,
-)
+from jobs.record import JobRecord
+from jobs.schema import LogitsMode, now
 from jobs.scripts import Scripts
-from jobs.serializer import MsgpackSerializer, packb, unpackb
+from jobs.serializer import MsgpackSerializer, packb
 from model.prefill import Prefill, PrefillError, top_k
 from model.registry import LoadedModel
 from model.tokenizer import TokenizerError
@@ -147,9 +148,7 @@ class PrefillWorker(SimpleWorker):
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
         self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
         self.intake = [intake_queue(connection, m) for m in models]
-        self.sticky = Queue(
-            keys.sticky_queue(name), connection=connection, serializer=MsgpackSerializer
-        )
+        self.sticky = sticky_queue(connection, name)
         super().__init__(
             [self.sticky, *self.intake],
             connection=connection,
@@ -305,24 +304,26 @@ class PrefillWorker(SimpleWorker):
     def _start(self, job_id: str) -> ActiveJob | None:
         """First execution of a job here: tokenize, plan, check the KV budget, then take it
         (``queued -> prefilling``). Returns None when the job is not ours to run."""
-        raw = {k.decode(): v for k, v in self.connection.hgetall(keys.job(job_id)).items()}
+        raw = self.connection.hgetall(keys.job(job_id))
         if not raw:
             log.warning("job %s has no record (expired?); skipping", job_id)
             return None
-        loaded = self.models.get(raw["model"].decode())
+        record = JobRecord.from_hash(job_id, raw)
+        loaded = self.models.get(record.model)
         if loaded is None:
-            log.error("job %s wants model %s, not served here", job_id, raw["model"])
+            log.error("job %s wants model %s, not served here", job_id, record.model)
             return None
         prefill, error = None, None
         try:
-            prefill = loaded.start_prefill(self._token_ids(loaded, raw), self._chunk_tokens(raw))
+            prefill = loaded.start_prefill(self._token_ids(loaded, record),
+                                           self._chunk_tokens(record))
         except (PrefillError, TokenizerError) as e:
             error = (type(e).__name__, str(e))
         except Exception as e:
             log.exception("job %s: could not start", job_id)
             error = ("ModelError", f"{type(e).__name__}: {e}")
         if prefill is not None and not self._fits_kv_budget(prefill):
-            self._wait_for_room(job_id, loaded.name, int(raw.get("priority", b"0")))
+            self._wait_for_room(job_id, loaded.name, record.priority)
             return None
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
@@ -339,13 +340,13 @@ class PrefillWorker(SimpleWorker):
         active = ActiveJob(
             job_id=job_id,
             attempt=int(attempt),
-            max_attempts=int(raw.get("max_attempts", b"3")),
+            max_attempts=record.max_attempts,
             model=loaded,
             prefill=prefill,
-            top_k=int(raw.get("top_k", b"20")),
-            logits_mode=LogitsMode(raw.get("logits_mode", b"top_k").decode()),
-            enqueued_at=float(raw.get("enqueued_at", started)),
-            first_started_at=float(raw.get("first_started_at", started)),
+            top_k=record.top_k,
+            logits_mode=record.logits_mode,
+            enqueued_at=record.enqueued_at or started,
+            first_started_at=record.first_started_at or started,
             started_at=started,
         )
         self.active[job_id] = active
@@ -367,15 +368,14 @@ class PrefillWorker(SimpleWorker):
                  self.resident_kv_bytes)
 
     @staticmethod
-    def _token_ids(loaded: LoadedModel, raw: dict[str, bytes]) -> list[int]:
-        if "tokens" in raw:
-            return [int(t) for t in unpackb(raw["tokens"])]
-        parse_special = raw.get("parse_special", b"1") == b"1"
-        return loaded.tokenizer.encode(raw["prompt"].decode(), parse_special=parse_special)
+    def _token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
+        if record.tokens is not None:
+            return record.tokens
+        return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)
 
-    def _chunk_tokens(self, raw: dict[str, bytes]) -> int | None:
-        caps = [c for c in (self.chunk_tokens, raw.get("chunk_tokens")) if c is not None]
-        return min(int(c) for c in caps) if caps else None
+    def _chunk_tokens(self, record: JobRecord) -> int | None:
+        caps = [c for c in (self.chunk_tokens, record.chunk_tokens) if c is not None]
+        return min(caps) if caps else None
 
     def _fence_args(self, active: ActiveJob) -> list:
         return [self.name, active.attempt, now(), self.result_ttl_s]

@@ -1,0 +1,22 @@
+"""Defaults and limits shared by the client, the worker and the reaper, each defined once."""
+
+from __future__ import annotations
+
+REDIS_URL_ENV = "PREFILLQ_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_TOP_K = 20
+# top-k beyond this is a full-logits request in disguise: ask for logits="full" instead.
+MAX_TOP_K = 1000
+DEFAULT_MAX_ATTEMPTS = 3
+# `submit` raises QueueFull past this many queued jobs per model (all priorities).
+DEFAULT_MAX_QUEUE_DEPTH = 10_000
+
+# Once terminal, a job's record (status + top-k result) lives this long; full logits less.
+DEFAULT_RESULT_TTL_S = 24 * 3600
+DEFAULT_LOGITS_TTL_S = 3600
+# A worker counts as dead this long after its last heartbeat.
+DEFAULT_HEARTBEAT_TTL_S = 30
+# Error messages are capped so a pathological input cannot bloat Redis.
+MAX_ERROR_CHARS = 2000

@@ -1,0 +1,77 @@
+"""The RQ queue layout: intake queues per model and priority, one sticky queue per worker.
+
+A job enters through its model's intake queue (``keys.intake_queue``; one queue per priority
+that has ever been used, listed in ``keys.priorities``). Once a worker holds a job's KV cache,
+the job's continuations go to that worker's sticky queue (``keys.sticky_queue``). Every RQ job
+here is one execution of `CHUNK_FUNCTION` with the prefillq job id as its only argument.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from redis import Redis
+from rq import Queue
+
+from . import keys
+from .defaults import DEFAULT_RESULT_TTL_S
+from .serializer import MsgpackSerializer
+
+# The allow-listed job function a worker runs: one bounded chunk of one job.
+CHUNK_FUNCTION = "worker.tasks.advance_prefill"
+
+
+def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
+    """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
+    return Queue(
+        keys.intake_queue(model, priority), connection=redis, serializer=MsgpackSerializer
+    )
+
+
+def sticky_queue(redis: Redis, worker: str) -> Queue:
+    """The RQ queue of the continuations of the jobs whose caches `worker` holds."""
+    return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer)
+
+
+def intake_priorities(redis: Redis, model: str) -> list[int]:
+    """Priorities that have an intake queue for `model`, highest first (0 always)."""
+    levels = {0} | {int(p) for p in redis.smembers(keys.priorities(model))}
+    return sorted(levels, reverse=True)
+
+
+def intake_depth(redis: Redis, model: str) -> int:
+    """Jobs waiting in every intake queue of `model`."""
+    return sum(len(intake_queue(redis, model, p)) for p in intake_priorities(redis, model))
+
+
+def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
+    """Put one chunk execution of `job_id` on `queue` (an RQ job with a fresh id).
+
+    Chunks never time out inside RQ: a chunk is bounded by its token count, and an
+    exception thrown into MLX work would leave the cache half written.
+    """
+    queue.enqueue_call(
+        CHUNK_FUNCTION,
+        args=(job_id,),
+        job_id=f"{job_id}-{uuid.uuid4().hex[:12]}",
+        timeout=-1,
+        result_ttl=0,
+        failure_ttl=DEFAULT_RESULT_TTL_S,
+        description=f"prefill chunk of {job_id}",
+        pipeline=pipeline,
+        at_front=at_front,
+    )
+
+
+def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline) -> None:
+    """Enqueue a new job's first execution on its intake queue (inside `pipeline`)."""
+    pipeline.sadd(keys.priorities(model), int(priority))
+    enqueue_chunk(intake_queue(redis, model, priority), job_id, pipeline=pipeline)
+
+
+def requeue_to_intake(redis: Redis, job_id: str, pipeline) -> None:
+    """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline`)."""
+    model, priority = redis.hmget(keys.job(job_id), "model", "priority")
+    if model is not None:  # an expired record needs no RQ job
+        queue = intake_queue(redis, model.decode(), int(priority or 0))
+        enqueue_chunk(queue, job_id, pipeline=pipeline)

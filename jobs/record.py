@@ -1,0 +1,149 @@
+"""`JobRecord`: the one codec of a job's Redis hash (``keys.job(id)``).
+
+Every reader and writer of the hash goes through it: `submit` writes a new record, `status`
+decodes one, the worker decodes one to start a job. The Lua scripts in `jobs.scripts` update
+single fields by the same names. In Redis every field is a string: integers and floats in
+decimal, flags as ``0``/``1``, enums as their value, token ids and the chunk plan as msgpack,
+the result as a msgpack blob; a missing field (or an empty string) is the field's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_TOP_K
+from .schema import JobState, JobStatus, LogitsMode
+from .serializer import packb, unpackb
+
+
+@dataclass
+class JobRecord:
+    """A job as stored in Redis. Times are UTC epoch seconds; sizes are in tokens.
+
+    The input is exactly one of `prompt` (text) and `tokens` (ids). Fields from `state` on
+    are written by the worker and the scripts; `chunk_plan` is the chunk boundaries (end
+    positions) decided once when a worker first plans the job, so every worker continues it
+    at the same boundaries.
+    """
+
+    job_id: str
+    model: str
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    top_k: int = DEFAULT_TOP_K
+    logits_mode: LogitsMode = LogitsMode.TOP_K
+    parse_special: bool = True
+    priority: int = 0
+    chunk_tokens: int | None = None
+    session: str | None = None
+    idempotency_key: str | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    enqueued_at: float | None = None
+
+    state: JobState = JobState.QUEUED
+    attempts: int = 0
+    failures: int = 0
+    cursor: int = 0
+    chunks_done: int = 0
+    cached_tokens: int = 0
+    n_tokens: int | None = None
+    recovery_position: int | None = None
+    chunk_plan: list[int] | None = None
+    cancel_requested: bool = False
+    worker: str | None = None
+    start_token: str | None = None
+    first_started_at: float | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    finished_at: float | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    result: bytes | None = None
+
+    def to_hash(self) -> dict[str, str | int | float | bytes]:
+        """The fields to HSET: every field that is not None, encoded for Redis."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = _CODECS[f.name][0](value)
+        return out
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
+        """Decode an HGETALL reply; unknown fields are ignored, missing ones default.
+
+        Raises:
+            ValueError: a field holds a value its type cannot decode (a corrupt record).
+        """
+        values: dict[str, Any] = {"job_id": job_id}
+        for name, blob in raw.items():
+            name = name.decode()
+            if name in _CODECS and name != "job_id" and blob != b"":
+                values[name] = _CODECS[name][1](blob)
+        values.setdefault("model", "")
+        return cls(**values)
+
+    @property
+    def error(self) -> dict[str, str] | None:
+        """``{type, message}`` of a failed job, else None."""
+        if not self.error_type:
+            return None
+        return {"type": self.error_type, "message": self.error_message or ""}
+
+    def status(self) -> JobStatus:
+        """What a client sees of this record."""
+        return JobStatus(
+            job_id=self.job_id,
+            state=self.state,
+            model=self.model,
+            n_tokens=self.n_tokens,
+            cursor=self.cursor,
+            progress=(self.cursor / self.n_tokens) if self.n_tokens else 0.0,
+            recovery_position=self.recovery_position,
+            chunks_done=self.chunks_done,
+            cached_tokens=self.cached_tokens,
+            attempts=self.attempts,
+            cancel_requested=self.cancel_requested,
+            worker=self.worker or None,
+            enqueued_at=self.enqueued_at,
+            started_at=self.started_at,
+            updated_at=self.updated_at,
+            finished_at=self.finished_at,
+            error=self.error,
+        )
+
+
+def _text(blob: bytes) -> str:
+    return blob.decode()
+
+
+def _flag(blob: bytes) -> bool:
+    return int(blob) != 0
+
+
+def _ids(blob: bytes) -> list[int]:
+    return [int(t) for t in unpackb(blob)]
+
+
+# Python type of a field (as annotated) -> (encode for HSET, decode from the reply)
+_BY_TYPE = {
+    "str": (str, _text),
+    "int": (int, int),
+    "float": (float, float),
+    "bool": (int, _flag),
+    "JobState": (lambda s: s.value, lambda b: JobState(b.decode())),
+    "LogitsMode": (lambda m: m.value, lambda b: LogitsMode(b.decode())),
+    "list[int]": (packb, _ids),
+    "bytes": (bytes, bytes),
+}
+
+
+def _codec(annotation: str) -> tuple:
+    # annotations are strings here (``from __future__ import annotations``)
+    return _BY_TYPE[annotation.removesuffix(" | None")]
+
+
+_CODECS = {f.name: _codec(f.type) for f in dataclasses.fields(JobRecord)}

@@ -1,0 +1,68 @@
+"""`JobRecord`, the one codec of the job hash: round trips through a real Redis hash."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jobs import JobState, LogitsMode
+from jobs.defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_TOP_K
+from jobs.record import JobRecord
+
+
+def roundtrip(redis_conn, record: JobRecord) -> JobRecord:
+    r = redis_conn()
+    r.delete("rec")
+    r.hset("rec", mapping=record.to_hash())
+    return JobRecord.from_hash(record.job_id, r.hgetall("rec"))
+
+
+def test_every_field_survives_redis(redis_conn):
+    record = JobRecord(
+        job_id="j1", model="gemma3-tiny", tokens=[2, 0, 262_143], top_k=0,
+        logits_mode=LogitsMode.FULL, parse_special=False, priority=-3, chunk_tokens=7,
+        session="s", idempotency_key="k", max_attempts=5, enqueued_at=1.25,
+        state=JobState.FAILED, attempts=2, failures=1, cursor=40, chunks_done=3,
+        cached_tokens=8, n_tokens=41, recovery_position=33, chunk_plan=[16, 32, 41],
+        cancel_requested=True, worker="w", start_token="t", first_started_at=2.0,
+        started_at=2.5, updated_at=3.0, finished_at=3.5, error_type="ModelError",
+        error_message="boom", result=b"\x00\xff msgpack",
+    )
+    assert roundtrip(redis_conn, record) == record
+
+
+def test_missing_fields_take_the_dataclass_defaults(redis_conn):
+    back = roundtrip(redis_conn, JobRecord(job_id="j2", model="m", prompt="hi"))
+    assert back.state is JobState.QUEUED
+    assert back.top_k == DEFAULT_TOP_K and back.max_attempts == DEFAULT_MAX_ATTEMPTS
+    assert back.tokens is None and back.chunk_plan is None and back.worker is None
+    assert back.parse_special is True and back.cancel_requested is False
+
+
+def test_none_fields_are_not_written():
+    written = JobRecord(job_id="j3", model="m", prompt="hi").to_hash()
+    assert "tokens" not in written and "worker" not in written and "result" not in written
+    assert written["parse_special"] == 1 and written["state"] == "queued"
+
+
+def test_an_empty_string_reads_as_unset():
+    # the requeue script clears the holder with HSET worker ''
+    raw = {b"model": b"m", b"state": b"queued", b"worker": b"", b"n_tokens": b"12"}
+    record = JobRecord.from_hash("j4", raw)
+    assert record.worker is None and record.n_tokens == 12
+    assert record.status().worker is None and record.status().progress == 0.0
+
+
+def test_status_derives_progress_and_error():
+    record = JobRecord(job_id="j5", model="m", n_tokens=40, cursor=10, state=JobState.FAILED,
+                       error_type="PromptTooLong", error_message="too long")
+    status = record.status()
+    assert status.progress == pytest.approx(0.25)
+    assert status.error == {"type": "PromptTooLong", "message": "too long"}
+    assert set(status.to_dict()) == {f.name for f in dataclasses.fields(status)}
+
+
+def test_a_corrupt_field_raises_value_error():
+    with pytest.raises(ValueError):
+        JobRecord.from_hash("j6", {b"model": b"m", b"cursor": b"ten"})
