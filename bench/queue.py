@@ -4,59 +4,23 @@ worker."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import redis
-
 from jobs import PrefillClient, PrefillResult
 from model.registry import LoadedModel
+from worker.embedded import embedded_queue, url_connections
+from worker.redis_server import RedisServer
 from worker.worker import PrefillWorker
 
 from .common import Recorder, log, prompt_ids
 
 
-class RedisServer:
-    """A throwaway redis-server on a free port (persistence off)."""
-
-    def __enter__(self) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.dir = tempfile.TemporaryDirectory()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir.name],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{port}/0"
-        for _ in range(200):
-            try:
-                redis.Redis.from_url(self.url).ping()
-                return self.url
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.dir.cleanup()
-
-
-def _worker(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, PrefillClient]:
-    worker = PrefillWorker({loaded.name: loaded}, redis.Redis.from_url(url), name="bench",
-                           **kwargs)
-    worker.register_models()
-    return worker, PrefillClient.from_url(url)
+def _queue(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, PrefillClient]:
+    queue = embedded_queue({loaded.name: loaded}, url_connections(url), name="bench", **kwargs)
+    return queue.worker, queue.client()
 
 
 @contextmanager
@@ -68,8 +32,9 @@ def queued_prefill(loaded: LoadedModel, top_k: int = 5, **worker_kwargs
     to ``finished``: every chunk's RQ dequeue, cancel check, fenced checkpoint and
     continuation enqueue, then the final logits, top-k and publish; worker start-up and
     queue wait are outside it."""
-    with RedisServer() as url:
-        worker, client = _worker(url, loaded, **worker_kwargs)
+    with RedisServer() as server:
+        url = server.url
+        worker, client = _queue(url, loaded, **worker_kwargs)
 
         def run(ids: list[int]) -> PrefillResult:
             job = client.submit(tokens=ids, model=loaded.name, top_k=top_k)
@@ -116,8 +81,9 @@ def short_wait_over_chunk_time(rec: Recorder, loaded: LoadedModel, n_long: int,
     time. Shorts arrive 20%, 50% and 80% into three of the long job's chunks."""
     log(f"short job under a {n_long}-token prefill in {chunk_tokens}-token chunks")
     short_ids = prompt_ids(n_short)
-    with RedisServer() as url:
-        worker, client = _worker(url, loaded, chunk_tokens=chunk_tokens)
+    with RedisServer() as server:
+        url = server.url
+        worker, client = _queue(url, loaded, chunk_tokens=chunk_tokens)
         idle = []
         for _ in ARRIVALS:
             job = client.submit(tokens=short_ids, model=loaded.name, top_k=1)

@@ -16,6 +16,8 @@ DEFAULT_MAX_QUEUE_DEPTH = 10_000
 # Once terminal, a job's record (status + top-k result) lives this long; full logits less.
 DEFAULT_RESULT_TTL_S = 24 * 3600
 DEFAULT_LOGITS_TTL_S = 3600
+# Jobs a worker keeps resident (KV caches in memory), advanced round-robin.
+DEFAULT_MAX_ACTIVE = 4
 # A worker counts as dead this long after its last heartbeat.
 DEFAULT_HEARTBEAT_TTL_S = 30
 # Error messages are capped so a pathological input cannot bloat Redis.

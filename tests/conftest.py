@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from worker.redis_server import RedisServer
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -24,67 +26,11 @@ def gemma():
     return load_model("gemma3-270m")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A real ``redis-server`` child process on a free port (restartable on the same port).
-
-    Args:
-        workdir: its data directory.
-        appendonly: AOF persistence (fsync on every write) so a restart keeps the data.
-    """
-
-    def __init__(self, workdir, appendonly: bool = False):
-        import shutil
-
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            pytest.fail("redis-server is not installed (apt-get install redis-server)")
-        self.workdir, self.appendonly = workdir, appendonly
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-
-    def start(self) -> RedisServer:
-        import subprocess
-        import time
-
-        import redis
-
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--dir", str(self.workdir)]
-        args += (["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
-                 else ["--appendonly", "no"])
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    pytest.fail(f"redis-server did not start on port {self.port}")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real ``redis-server`` for this test session (persistence off); yields its URL.
 
-    Fails (does not skip) when the binary is missing: CI installs it.
+    Errors (does not skip) when the binary is missing: CI installs it.
     """
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server.url

@@ -36,6 +36,7 @@ from jobs import keys
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
+    DEFAULT_MAX_ACTIVE,
     DEFAULT_RESULT_TTL_S,
     MAX_ERROR_CHARS,
 )
@@ -58,7 +59,6 @@ from model.tokenizer import TokenizerError
 
 log = logging.getLogger("prefillq.worker")
 
-DEFAULT_MAX_ACTIVE = 4
 
 
 class NoDeathPenalty(BaseDeathPenalty):

@@ -1,0 +1,212 @@
+"""The client side of the ``prefillq`` command line: ``submit``, ``status``, ``cancel``,
+``result`` and ``reap``.
+
+These commands need only the light client (redis, rq, msgpack): a web backend's install of
+``prefillq`` runs them without MLX. `worker.cli` adds the worker-side commands and owns the
+entry point. With ``--json`` the last stdout line is one JSON object; errors are one line on
+stderr (`CLIError` and `jobs.errors` types, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .client import PrefillClient, redis_url
+from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
+from .errors import JobCanceled, JobFailed
+from .schema import JobStatus, PrefillResult
+
+SAMPLE_PROMPT = "The capital of France is"
+
+
+class CLIError(Exception):
+    """A usage or input error: printed as one line, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (so a bad size fails before any model loads).
+
+    Raises:
+        argparse.ArgumentTypeError: `text` is not such an integer.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
+    return value
+
+
+def add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--redis", required=required, default=None,
+                   help=f"Redis URL (default ${REDIS_URL_ENV} or redis://localhost:6379/0)")
+
+
+def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dict:
+    """The submit input from TEXT / --prompt / --prompt-file / --tokens-file.
+
+    Returns ``{"prompt": text}`` or ``{"tokens": ids}``; the sample prompt when none given.
+
+    Raises:
+        CLIError: two sources, an unreadable file, or a tokens file that is not a JSON array
+            of integers.
+    """
+    given = {
+        "text": positional,
+        "prompt": getattr(args, "prompt", None),
+        "prompt_file": getattr(args, "prompt_file", None),
+        "tokens_file": getattr(args, "tokens_file", None),
+    }
+    chosen = {k: v for k, v in given.items() if v is not None}
+    if len(chosen) > 1:
+        raise CLIError(f"give one prompt source, got {', '.join(chosen)}")
+    if "tokens_file" in chosen:
+        try:
+            tokens = json.loads(Path(chosen["tokens_file"]).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"--tokens-file: {e}") from e
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise CLIError("--tokens-file must hold a JSON array of integers")
+        return {"tokens": tokens}
+    if "prompt_file" in chosen:
+        try:
+            return {"prompt": Path(chosen["prompt_file"]).read_text()}
+        except OSError as e:
+            raise CLIError(f"--prompt-file: {e}") from e
+    text = chosen.get("text", chosen.get("prompt"))
+    return {"prompt": SAMPLE_PROMPT if text is None else text}
+
+
+def result_record(status: JobStatus, result: PrefillResult | None) -> dict:
+    """The status fields merged with the result's, plus ``chunks`` (= ``chunks_done``)."""
+    record = status.to_dict()
+    if result is not None:
+        record.update(result.to_dict())
+        record["chunks"] = result.chunks_done
+    else:
+        record["chunks"] = status.chunks_done
+    return record
+
+
+def print_result(record: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(record))
+        return
+    chunks = record["chunks"]
+    print(f"job {record['job_id']}: {record['state']}, {record['n_tokens']} tokens "
+          f"in {chunks} chunk{'' if chunks == 1 else 's'}")
+    timings = record.get("timings")
+    if timings:
+        print(f"prefill {timings['prefill_s']:.2f} s ({timings['tokens_per_s']:.0f} tok/s), "
+              f"queue wait {timings['queue_wait_s']:.2f} s")
+    for rank, t in enumerate(record.get("top_k", []), 1):
+        print(f"{rank:>3}  {t['id']:>7}  logit {t['logit']:8.3f}  logprob {t['logprob']:8.3f}  "
+              f"{t['piece']!r}")
+
+
+def finish(client: PrefillClient, job_id: str, as_json: bool) -> int:
+    """Print a terminal job's result (or its status and error); the command's exit status."""
+    status = client.status(job_id)
+    try:
+        result = client.result(job_id, timeout=0)
+    except (JobFailed, JobCanceled) as e:
+        if as_json:
+            print_result(result_record(status, None), True)
+        print(f"prefillq: error: {e}", file=sys.stderr)
+        return 1
+    print_result(result_record(client.status(job_id), result), as_json)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    client = PrefillClient.from_url(args.redis)
+    job_id = client.submit(
+        **prompt_input(args),
+        model=args.model,
+        top_k=args.top_k,
+        logits=args.logits,
+        session=args.session,
+        priority=args.priority,
+        chunk_tokens=args.chunk_tokens,
+    )
+    print(job_id)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = PrefillClient.from_url(args.redis).status(args.job)
+    if args.json:
+        print(json.dumps(status.to_dict()))
+    else:
+        total = status.n_tokens if status.n_tokens is not None else "?"
+        print(f"{status.job_id}: {status.state.value} {status.cursor}/{total} tokens, "
+              f"{status.chunks_done} chunks, attempt {status.attempts}"
+              + (" (cancel requested)" if status.cancel_requested else ""))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    changed = PrefillClient.from_url(args.redis).cancel(args.job)
+    print("cancel requested" if changed else
+          "nothing to cancel: the job already ended, or a cancel is already pending")
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    client = PrefillClient.from_url(args.redis)
+    for _ in client.watch(args.job, args.wait):
+        pass
+    return finish(client, args.job, args.json)
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    from redis import Redis
+
+    from .reaper import reap
+
+    reaped = reap(Redis.from_url(redis_url(args.redis)))
+    for r in reaped:
+        print(f"{r.job_id}: {r.outcome} (worker {r.worker})")
+    print(f"reaped {len(reaped)} jobs")
+    return 0
+
+
+def add_submit(sub) -> None:
+    """Add ``submit`` to the subparsers `sub`."""
+    submit = sub.add_parser("submit", help="enqueue a prompt; prints the job id")
+    add_redis(submit)
+    src = submit.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    src.add_argument("--tokens-file", help="JSON array of token ids")
+    submit.add_argument("--model", default=DEFAULT_MODEL)
+    submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                        help=f"top next tokens to keep (default {DEFAULT_TOP_K})")
+    submit.add_argument("--logits", choices=["none", "top_k", "full"], default="top_k")
+    submit.add_argument("--session", help="session id (stored; prefix reuse comes later)")
+    submit.add_argument("--priority", type=int, default=0,
+                        help="higher is admitted first (default 0)")
+    submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
+    submit.set_defaults(func=cmd_submit)
+
+
+def add_job_commands(sub) -> None:
+    """Add ``reap``, ``status``, ``cancel`` and ``result`` to the subparsers `sub`."""
+    reaper = sub.add_parser("reap", help="one pass of the dead-worker reaper")
+    add_redis(reaper)
+    reaper.set_defaults(func=cmd_reap)
+    for name, func, text in (("status", cmd_status, "print a job's status"),
+                             ("cancel", cmd_cancel, "cancel a job (idempotent)"),
+                             ("result", cmd_result, "wait for and print a job's result")):
+        p = sub.add_parser(name, help=text)
+        add_redis(p)
+        p.add_argument("job")
+        if name in ("status", "result"):
+            p.add_argument("--json", action="store_true")
+        if name == "result":
+            p.add_argument("--wait", type=float, default=0.0, help="seconds to wait (default 0)")
+        p.set_defaults(func=func)

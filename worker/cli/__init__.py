@@ -1,0 +1,52 @@
+"""The ``prefillq`` command line.
+
+One entry point, one module per command group. ``run`` prefills one prompt, by default on an embedded queue (an in-process fakeredis
+server) with an in-process worker (`worker.cli.run`); ``worker`` serves a real Redis
+(`worker.cli.work`); ``plan`` prints a model's cache plan (`worker.cli.plan`); ``submit``,
+``status``, ``cancel``, ``result`` and ``reap`` are the client's (`jobs.cli`: they import
+nothing from MLX). With ``--json`` the last stdout line is one JSON object. Errors exit
+non-zero with a one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jobs import PrefillQError
+from jobs.cli import CLIError, add_job_commands, add_submit
+
+from .plan import add_plan
+from .run import add_run
+from .work import add_worker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefillq", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_run(sub)
+    add_worker(sub)
+    add_submit(sub)
+    add_plan(sub)
+    add_job_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``prefillq`` command; returns its exit status (2 for an input error)."""
+    args = build_parser().parse_args(argv)
+    runs_mlx = args.command == "worker" or (args.command == "run" and not args.redis)
+    if argv is None and runs_mlx:
+        from model.runtime.blas import ensure_blas
+
+        ensure_blas()  # may re-exec this command with an optimized BLAS preloaded
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        return args.func(args)
+    except RedisConnectionError as e:
+        print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)
+        return 2
+    except (CLIError, PrefillQError, ValueError, OSError) as e:
+        print(f"prefillq: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,46 @@
+"""Model loading for the worker-side commands, reported on stderr as it happens."""
+
+from __future__ import annotations
+
+import sys
+
+from jobs.cli import CLIError
+
+
+def device_summary() -> str:
+    """``gpu`` or ``cpu, N streams`` (`model.runtime.streams.cpu_streams`)."""
+    import mlx.core as mx
+
+    from model.runtime.streams import cpu_streams
+
+    if mx.default_device() == mx.gpu:
+        return "gpu"
+    return f"cpu, {cpu_streams()} streams"
+
+
+def load_models(specs: list[str], context_length: int | None) -> dict:
+    """Load each model spec (registry name or ``NAME=/path.gguf``); returns them by name.
+
+    Raises:
+        CLIError: a spec the registry does not know.
+    """
+    from model.registry import UnknownModel, load_model
+    from model.runtime.blas import blas_summary
+
+    print(f"BLAS: {blas_summary()}", file=sys.stderr, flush=True)
+    models = {}
+    for spec in specs:
+        print(f"loading {spec} ...", file=sys.stderr, flush=True)
+        try:
+            loaded = load_model(spec, context_length=context_length)
+        except UnknownModel as e:
+            raise CLIError(str(e.args[0])) from e
+        print(
+            f"loaded {loaded.name} ({loaded.architecture}, {loaded.dtype}, "
+            f"context {loaded.context_length}) in {loaded.load_seconds:.1f} s "
+            f"on {device_summary()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        models[loaded.name] = loaded
+    return models

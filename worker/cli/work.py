@@ -1,0 +1,70 @@
+"""``prefillq worker``: serve prefill jobs from a Redis server until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from jobs.cli import add_redis, positive_int
+from jobs.defaults import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_LOGITS_TTL_S,
+    DEFAULT_MAX_ACTIVE,
+    DEFAULT_MODEL,
+    DEFAULT_RESULT_TTL_S,
+)
+
+from .loading import load_models
+
+log = logging.getLogger("prefillq")
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from model.runtime.blas import blas_summary
+    from worker.connection import worker_connection
+    from worker.worker import PrefillWorker
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    log.info("BLAS: %s", blas_summary())
+    models = load_models(args.model or [DEFAULT_MODEL], args.context)
+    worker = PrefillWorker(
+        models,
+        worker_connection(args.redis),
+        name=args.name,
+        chunk_tokens=args.chunk_tokens,
+        max_active=args.max_active,
+        kv_budget_bytes=args.kv_budget_bytes,
+        result_ttl_s=args.result_ttl,
+        logits_ttl_s=args.logits_ttl,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+    )
+    worker.work(burst=args.burst, logging_level="INFO")
+    return 0
+
+
+def add_worker(sub) -> None:
+    """Add ``worker`` to the subparsers `sub`."""
+    worker = sub.add_parser("worker", help="serve prefill jobs from Redis")
+    add_redis(worker)
+    worker.add_argument("--name")
+    worker.add_argument("--model", action="append",
+                        help="model to serve: a registry name or NAME=/path.gguf (repeatable)")
+    worker.add_argument("--chunk-tokens", type=positive_int,
+                        help="cap on chunk size in tokens (default: 2,048, window-aligned)")
+    worker.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+                        help="jobs resident at once, advanced round-robin "
+                             f"(default {DEFAULT_MAX_ACTIVE})")
+    worker.add_argument("--kv-budget-bytes", type=int,
+                        help="admit no job whose KV cache would exceed this total")
+    worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
+    worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
+                        help="seconds a terminal job's record lives (default: %(default)s)")
+    worker.add_argument("--logits-ttl", type=int, default=DEFAULT_LOGITS_TTL_S,
+                        help="seconds full logits live (default: %(default)s)")
+    worker.add_argument("--heartbeat-ttl", type=int, default=DEFAULT_HEARTBEAT_TTL_S,
+                        help="seconds without a heartbeat before a worker counts as dead "
+                             "(default: %(default)s)")
+    worker.set_defaults(func=cmd_worker)

@@ -1,0 +1,63 @@
+"""An in-process worker and its clients on one Redis server, for ``prefillq run`` and bench.
+
+`prefillq run` without ``--redis`` serves one prompt on an embedded queue: an in-process
+fakeredis server (the ``lua`` extra runs our scripts) and this process's own worker, so it
+needs no Redis server. The benchmarks use the same wiring on a real redis-server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis import Redis
+
+from jobs import PrefillClient
+
+from .worker import PrefillWorker
+
+EMBEDDED_WORKER_NAME = "embedded"
+
+
+def fakeredis_connections() -> Callable[[], Redis]:
+    """A factory of connections to one new in-process fakeredis server."""
+    import fakeredis
+
+    server = fakeredis.FakeServer()
+    return lambda: fakeredis.FakeStrictRedis(server=server)
+
+
+def url_connections(url: str) -> Callable[[], Redis]:
+    """A factory of connections to the Redis at `url`."""
+    return lambda: Redis.from_url(url)
+
+
+@dataclass
+class EmbeddedQueue:
+    """A registered in-process `worker` and a `connect` factory for clients of its server."""
+
+    worker: PrefillWorker
+    connect: Callable[[], Redis]
+
+    def client(self) -> PrefillClient:
+        """A client on its own connection (one per thread)."""
+        return PrefillClient(self.connect())
+
+    def drain(self) -> None:
+        """Run the worker in this thread until every queue it serves is empty."""
+        self.worker.work(burst=True, logging_level="WARNING")
+
+
+def embedded_queue(models: dict, connect: Callable[[], Redis] | None = None, *,
+                   name: str = EMBEDDED_WORKER_NAME, **worker_kwargs) -> EmbeddedQueue:
+    """Start an embedded queue serving `models` (`model.registry.LoadedModel` by name).
+
+    Args:
+        connect: connection factory (default: a new fakeredis server).
+        name: the worker's name.
+        worker_kwargs: `PrefillWorker` options (``chunk_tokens``, ``max_active``, ...).
+    """
+    connect = connect or fakeredis_connections()
+    worker = PrefillWorker(models, connect(), name=name, **worker_kwargs)
+    worker.register_models()
+    return EmbeddedQueue(worker, connect)

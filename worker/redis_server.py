@@ -1,0 +1,93 @@
+"""A throwaway ``redis-server`` child process, for the tests and the benchmarks.
+
+A real server, as users run one: integration tests and queue benchmarks never stand in
+fakeredis for it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+# `start` waits this long for the server to answer PING.
+START_TIMEOUT_S = 10.0
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing or did not start."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``redis-server`` on a free port; restartable on the same port and data directory.
+
+    Use as a context manager (start, then kill) or call `start` / `stop`.
+
+    Args:
+        workdir: its data directory (default: a temporary one, removed on `stop`).
+        appendonly: AOF persistence with fsync on every write, so a restart keeps the data.
+        args: further ``redis-server`` options, e.g. ``["--maxmemory", "10mb"]``.
+    Raises:
+        RedisServerError: the binary is not installed (``apt-get install redis-server``).
+    """
+
+    def __init__(self, workdir: str | Path | None = None, appendonly: bool = False,
+                 args: list[str] | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RedisServerError("redis-server is not installed (apt-get install redis-server)")
+        self._tmp = tempfile.TemporaryDirectory() if workdir is None else None
+        self.workdir = Path(workdir if workdir is not None else self._tmp.name)
+        self.appendonly, self.extra = appendonly, list(args or [])
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers. Raises RedisServerError."""
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(self.workdir)]
+        args += (["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
+                 else ["--appendonly", "no"])
+        self.proc = subprocess.Popen(args + self.extra, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RedisServerError(
+                        f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: nothing is saved beyond what AOF already wrote)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
