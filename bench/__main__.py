@@ -49,7 +49,7 @@ def _context() -> dict:
             "blas": blas_summary(), "cpu_streams": cpu_streams()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                    ".venv-llama); without it the full suite skips over_llama_cpp")
     p.add_argument("--chunk-curve-tokens", type=int, default=8192,
                    help="prompt length of the chunk-size curve (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
 
