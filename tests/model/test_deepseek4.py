@@ -10,8 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from model import cache as base
+from model.archs import deepseek4 as ds
 from model.archs.deepseek4 import cache as dc
-from model.archs.deepseek4 import model as ds
+from model.archs.deepseek4 import model as ds_model
+from model.archs.deepseek4 import moe as ds_moe
+from model.archs.deepseek4 import planning as dp
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
 from model.prefill import prefill_chunk, start_prefill
@@ -138,7 +142,7 @@ def test_prefill_loop_unchanged(model, ids, one_pass):
 
 def test_snapshot_restore_then_replay(model, ids, one_pass):
     args = model.args
-    cache = dc.Deepseek4Cache(args, dc.plan(args, 512, mx.float32), args.context_length)
+    cache = dc.Deepseek4Cache(args, dp.plan(args, 512, mx.float32), args.context_length)
     anchor = 203  # inside a ratio-4 group and a ratio-128 group, window wrapped
     for start in range(0, anchor, 50):
         prefill_chunk(model, cache, ids[start : min(start + 50, anchor)])
@@ -158,7 +162,7 @@ def test_snapshot_restore_then_replay(model, ids, one_pass):
 
 def test_growth_mid_prompt(model, ids, one_pass):
     args = model.args
-    cache = dc.Deepseek4Cache(args, dc.plan(args, 130, mx.float32), args.context_length)
+    cache = dc.Deepseek4Cache(args, dp.plan(args, 130, mx.float32), args.context_length)
     for start in range(0, 120, 40):
         prefill_chunk(model, cache, ids[start : start + 40])
     assert cache.capacity == 130
@@ -168,10 +172,10 @@ def test_growth_mid_prompt(model, ids, one_pass):
 
 def test_explicit_migration_mid_prompt(model, ids, one_pass):
     args = model.args
-    small = dc.Deepseek4Cache(args, dc.plan(args, 256, mx.float32))
+    small = dc.Deepseek4Cache(args, dp.plan(args, 256, mx.float32))
     for start in range(0, 250, 50):
         prefill_chunk(model, small, ids[start : start + 50])
-    big = dc.Deepseek4Cache(args, dc.plan(args, 512, mx.float32))
+    big = dc.Deepseek4Cache(args, dp.plan(args, 512, mx.float32))
     big.migrate_from(small)
     assert_close(run_chunks(model, ids, 50, big), one_pass)
 
@@ -191,7 +195,7 @@ def test_poisoned_chunk_then_reset(model, ids, one_pass, monkeypatch):
         prefill_chunk(model, cache, ids[150:230])
     monkeypatch.undo()
     assert cache.is_poisoned and cache.position == 150
-    with pytest.raises(dc.Poisoned):
+    with pytest.raises(base.CachePoisoned):
         prefill_chunk(model, cache, ids[150:230])
     cache.reset()
     assert_close(run_chunks(model, ids, 129, cache), one_pass)
@@ -237,11 +241,11 @@ def test_registry_serves_tiny(ids, one_pass):
 
 def test_query_blocks_equal_one_block(model, ids, one_pass, monkeypatch):
     """Long chunks attend in query blocks (bounded score memory); blocks of ~30 queries here."""
-    monkeypatch.setattr(ds, "SCORE_BUDGET", 4 * 30 * 200)
+    monkeypatch.setattr(ds_model, "SCORE_BUDGET", 4 * 30 * 200)
     assert_close(run_chunks(model, ids, 200), one_pass)
 
 
 def test_gather_mm_experts_equal_grouped(model, ids, one_pass, monkeypatch):
     """The GPU expert path (``gather_mm`` over sorted rows), run here on the CPU."""
-    monkeypatch.setattr(ds, "use_grouped_experts", lambda: False)
+    monkeypatch.setattr(ds_moe, "use_grouped_experts", lambda: False)
     assert_close(run_chunks(model, ids, 129), one_pass)
