@@ -136,6 +136,15 @@ def test_resident_bytes_exactly_linear_beyond_the_window(dtype):
     assert len(set(window_bytes.values())) == 1
 
 
+def test_describe_layers():
+    """What ``prefillq plan`` prints per layer (without its two-space indent)."""
+    lines = plan_cache(gemma3_270m_specs(), 4096, mx.bfloat16).describe_layers()
+    assert len(lines) == 18
+    assert lines[0] == "layer  0: window 512 rows x 1024 B"
+    assert lines[5] == "layer  5: global 4096 rows x 1024 B"
+    assert lines[17] == "layer 17: global 4096 rows x 1024 B"
+
+
 def test_plan_without_windows_has_no_fixed_bytes():
     plan = plan_cache([LayerSpec(2, 16), LayerSpec(2, 16)], 100, mx.float32)
     assert plan.fixed_bytes == 0

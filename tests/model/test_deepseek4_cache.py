@@ -1,5 +1,6 @@
 """DeepSeek-V4 cache: plan arithmetic (Flash config), typed errors, snapshot/restore and growth
-at the buffer level (seeds 004 and 000). No weights: buffers are filled with random values."""
+at the buffer level (the cases of hf2q's ``Deepseek4Cache`` tests,
+github.com/robertelee78/hf2q). No weights: buffers are filled with random values."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from model.archs.deepseek4 import planning as dp
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
 
-FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8  # = 6,880 (DESIGN.md §7)
+# 21 ratio-4 layers (a 512-wide compressed and a 128-wide indexer row per 4 tokens, bf16)
+# and 20 ratio-128 layers (a 512-wide row per 128 tokens): 6,880 bytes per token.
+FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8
 
 
 @functools.cache
@@ -73,6 +76,22 @@ def test_flash_plan_resident_bytes_linear_in_context():
         assert summary["n_layers"] == 43 and summary["context_length"] == ctx
 
 
+def test_describe_layers():
+    """What ``prefillq plan`` prints per layer (without its two-space indent)."""
+    lines = dp.plan(flash_args(), 1024).describe_layers()
+    assert len(lines) == 43
+    assert lines[0] == "layer  0 (ratio 0): window [128, 512]"
+    assert lines[2] == (
+        "layer  2 (ratio 4): window [128, 512], compressed [256, 512], indexer [256, 128], "
+        "main_kv_state [8, 1024], main_score_state [8, 1024], indexer_kv_state [8, 256], "
+        "indexer_score_state [8, 256]"
+    )
+    assert lines[3] == (
+        "layer  3 (ratio 128): window [128, 512], compressed [8, 512], "
+        "main_kv_state [128, 512], main_score_state [128, 512]"
+    )
+
+
 def test_plan_says_f32_rows():
     plan = dp.plan(flash_args(), 1024, mx.float32)
     assert plan.kv_dtype == "mlx.core.float32"
@@ -112,7 +131,7 @@ def test_plan_errors():
 
 
 def test_window_mismatch():
-    """A plan for another window (the seeds' 128-token check) is refused by the model's cache."""
+    """A plan for another window (hf2q's 128-token check) is refused by the model's cache."""
     plan = dp.plan(tiny_args(sliding_window=128), 512)
     with pytest.raises(dp.SlidingWindow):
         dc.Deepseek4Cache(tiny_args(), plan)
