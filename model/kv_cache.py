@@ -246,10 +246,13 @@ class ModelCache(CommittedCache):
         meta = state.meta
         kv_dtype = kv_dtype_of(meta)
         context_length = meta.get("context_length")
-        cache = cls(specs, context_length if isinstance(context_length, int) else 0, kv_dtype,
-                    architecture=architecture)
+        if not isinstance(context_length, int) or context_length < 1:
+            raise CacheStateError(f"cache state context_length {context_length!r} is not positive")
+        cache = cls(specs, context_length, kv_dtype, architecture=architecture)
         check_layout(meta, cache.layout())
-        if not 0 <= meta["capacity"] <= cache.context_length:
+        # growth allocates whole steps, so a grown capacity may pass the context by < 1 step
+        limit = -(-cache.context_length // CAPACITY_STEP_TOKENS) * CAPACITY_STEP_TOKENS
+        if not 0 <= meta["capacity"] <= max(limit, cache.context_length):
             raise CacheStateError(f"cache state capacity {meta['capacity']} outside the context")
         for layer in cache.layers:
             if isinstance(layer, GlobalKVCache) and meta["capacity"]:

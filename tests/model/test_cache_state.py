@@ -175,6 +175,18 @@ def test_incremental_state_extends_a_complete_one(name, first, later):
         delta.extend(base)
 
 
+def test_grown_gemma3_cache_round_trips():
+    """Growth in 256-token steps leaves a capacity (512) past the context (300)."""
+    model = tiny("gemma3-tiny")
+    ids = ids_for(model, 290)
+    cache = model.make_cache(mx.float32, capacity=0, context_length=300)
+    prefill(model, cache, ids, 270, 90)
+    assert cache.capacity == 512
+    restored = round_trip(model, cache)
+    original = logits_of(model, prefill(model, cache, ids, 290, 7))
+    np.testing.assert_array_equal(logits_of(model, prefill(model, restored, ids, 290, 7)), original)
+
+
 def test_poisoned_cache_has_no_state():
     model = tiny("gemma3-tiny")
     cache = new_cache(model, [1] * 10)
