@@ -21,6 +21,7 @@ import mlx.core as mx
 from ... import cache as base
 from ...cache_state import BufferView, CacheState, dtype_name
 from .planning import (
+    ARCHITECTURE,
     INITIAL_CACHE_LENGTH,
     STATE_DTYPE,
     STATE_KINDS,
@@ -185,7 +186,7 @@ class Deepseek4Cache(base.CommittedCache):
         a = self.args
         return {
             "cache": type(self).__name__,
-            "architecture": "deepseek4",
+            "architecture": ARCHITECTURE,
             "kv_dtype": dtype_name(self.kv_dtype),
             "window": a.sliding_window,
             "compress_ratios": list(a.compress_ratios),

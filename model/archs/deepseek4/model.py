@@ -33,9 +33,8 @@ from .compressor import Compressor
 from .indexer import Indexer
 from .layers import Param, hc_mixes, rope, rope_inv_freq, sinkhorn
 from .moe import MoE
-from .planning import OVERLAP_RATIO
+from .planning import ARCHITECTURE, OVERLAP_RATIO
 
-ARCHITECTURE = "deepseek4"
 # Attention scores held at once per layer (elements): long chunks run in query blocks.
 SCORE_BUDGET = 1 << 27
 

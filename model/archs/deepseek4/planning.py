@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ... import cache as base
 
+ARCHITECTURE = "deepseek4"  # general.architecture of its GGUFs
 SUPPORTED_RATIOS = (0, 4, 128)
 OVERLAP_RATIO = 4  # only ratio-4 compressors overlap (and only ratio-4 layers index)
 # A serving cache grows in steps of this many tokens (hf2q's INITIAL_CACHE_LENGTH).
