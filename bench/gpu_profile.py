@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # the routed experts both ways, at the first case's length
     n = args.tokens[0]
     for grouped in (False, True):
-        deepseek4.use_grouped_experts = lambda g=grouped: g
+        deepseek4.moe.use_grouped_experts = lambda g=grouped: g
         log(f"{label}, {n} tokens, grouped experts={grouped}")
         seconds = prefill_seconds(ds, n, args.chunk, repeats=2)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", model=label, n_tokens=n,

@@ -1,14 +1,17 @@
-"""KV caches for chunked prefill: per-layer buffers plus one committed position.
+"""The KV cache contract every architecture's cache follows, its ring and window mask.
 
-The contract follows hf2q's ``Deepseek4Cache`` (seeds 004), generalized to every
-architecture:
+- A layer writes a chunk's rows at the committed ``position``; ``commit`` advances it only
+  after the chunk was evaluated, so a chunk that raises leaves the cache ``poisoned``.
+- Append-only buffers need no copy to snapshot (restoring ``position`` hides later rows);
+  rings (`RingBuffer`) are copied.
+- ``state()`` / ``from_state()`` turn a cache into named little-endian blobs plus a
+  msgpack/JSON-able dict and back, exactly (`CommittedCache.state`, `model.cache_state`).
+- ``plan_cache`` is pure arithmetic over an architecture's layer shapes.
 
-- a layer writes a chunk's keys/values at the cache's committed ``position`` but the
-  position only advances in ``commit`` after the whole chunk has been evaluated, so a chunk
-  that raises leaves the cache ``poisoned`` (rows past ``position`` may be half written);
-- append-only layers (global attention) need no copy to snapshot: restoring ``position``
-  hides later rows; ring layers (sliding window) are copied;
-- ``plan`` is pure arithmetic over the architecture's layer shapes.
+The caches: `model.kv_cache.ModelCache` (global and sliding-window layers, Gemma 3) and
+`model.archs.deepseek4.cache.Deepseek4Cache`.
+The commit-after-success contract follows hf2q's ``Deepseek4Cache``
+(github.com/robertelee78/hf2q, ``src/inference/models/deepseek4``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-# Global-attention buffers grow in steps of this many tokens (mlx-lm's KVCache step) when a
-# caller did not reserve the exact capacity up front.
-CAPACITY_STEP_TOKENS = 256
+from .cache_state import (
+    DTYPES,
+    STATE_VERSION,
+    BufferView,
+    CacheState,
+    dtype_bytes,
+    load_buffers,
+    save_buffers,
+)
 
 
 class CacheError(RuntimeError):
@@ -34,11 +43,57 @@ class ContextExhausted(CacheError):
     """A chunk would write past the cache's context length."""
 
 
-_DTYPE_BYTES = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+class CacheStateError(CacheError, ValueError):
+    """A saved state does not fit this cache: the message names the field or blob."""
 
 
-def dtype_bytes(dtype: mx.Dtype) -> int:
-    return _DTYPE_BYTES[dtype]
+def window_mask(q_start: int, n_q: int, k_start: int, n_k: int, window: int | None) -> mx.array:
+    """Bool ``(n_q, n_k)``, True where query ``q_start + i`` may see key ``k_start + j``.
+
+    Causal, and with a window a query at ``p`` sees keys in ``(p - window, p]``: HF Gemma 3's
+    ``q_idx - kv_idx < sliding_window`` and the DeepSeek-V4 reference's window.
+    """
+    q = mx.arange(q_start, q_start + n_q)[:, None]
+    k = mx.arange(k_start, k_start + n_k)[None, :]
+    mask = k <= q
+    return mask if window is None else mask & (q - k < window)
+
+
+class RingBuffer:
+    """The newest ``size`` rows of a sequence along ``axis``, row of position p at slot
+    ``p % size`` (``size = data.shape[axis]``)."""
+
+    def __init__(self, data: mx.array, axis: int = 0):
+        self.data, self.axis = data, axis
+
+    @property
+    def size(self) -> int:
+        return self.data.shape[self.axis]
+
+    def _at(self, a: int, b: int) -> tuple[slice, ...]:
+        return (slice(None),) * self.axis + (slice(a, b),)
+
+    def read(self, start: int, stop: int) -> mx.array:
+        """Rows of positions ``[start, stop)`` (at most ``size``), oldest first."""
+        n = self.size
+        assert 0 <= stop - start <= n, f"{stop - start} rows from a ring of {n}"
+        a, b = start % n, stop % n
+        if stop == start:
+            return self.data[self._at(0, 0)]
+        if a < b:
+            return self.data[self._at(a, b)]
+        return mx.concatenate([self.data[self._at(a, n)], self.data[self._at(0, b)]], self.axis)
+
+    def write(self, rows: mx.array, start: int) -> None:
+        """Keep the newest ``size`` of `rows` (positions ``[start, start + len)``)."""
+        n, L = self.size, rows.shape[self.axis]
+        keep = min(L, n)
+        rows = rows[self._at(L - keep, L)].astype(self.data.dtype)
+        a = (start + L - keep) % n
+        first = min(keep, n - a)
+        self.data[self._at(a, a + first)] = rows[self._at(0, first)]
+        if first < keep:
+            self.data[self._at(0, keep - first)] = rows[self._at(first, keep)]
 
 
 @dataclass(frozen=True)
@@ -92,6 +147,13 @@ class CachePlan:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    def describe_layers(self) -> list[str]:
+        """One line per layer, e.g. ``layer  0: sliding 512 rows x 2048 B``."""
+        return [
+            f"layer {i:>2}: {layer.kind} {layer.rows} rows x {layer.row_bytes} B"
+            for i, layer in enumerate(self.layers)
+        ]
+
 
 def plan_cache(specs: list[LayerSpec], context_length: int, kv_dtype: mx.Dtype) -> CachePlan:
     """Plan buffers for `specs` at `context_length` tokens of `kv_dtype` rows (pure)."""
@@ -109,151 +171,18 @@ def plan_cache(specs: list[LayerSpec], context_length: int, kv_dtype: mx.Dtype) 
     return CachePlan(context_length, str(kv_dtype), tuple(layers), per_token, fixed)
 
 
-class GlobalKVCache:
-    """Append-only K/V rows for a global-attention layer, shape ``(B, n_kv_heads, T, head_dim)``."""
-
-    def __init__(self, spec: LayerSpec, dtype: mx.Dtype, capacity: int = 0):
-        self.spec, self.dtype = spec, dtype
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        if capacity:
-            self._grow(capacity, 0)
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def _grow(self, capacity: int, live: int) -> None:
-        shape = (1, self.spec.n_kv_heads, capacity, self.spec.head_dim)
-        keys, values = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
-        if live:  # migrate the live prefix; rows past it are dead
-            keys[:, :, :live, :] = self.keys[:, :, :live, :]
-            values[:, :, :live, :] = self.values[:, :, :live, :]
-        self.keys, self.values = keys, values
-
-    def update(self, k: mx.array, v: mx.array, position: int) -> tuple[mx.array, mx.array, str]:
-        """Write a chunk at `position`; return all keys/values ``[0, position + L)`` and the mask.
-
-        Args:
-            k, v: ``(B, n_kv_heads, L, head_dim)``.
-        Returns:
-            keys, values of shape ``(B, n_kv_heads, position + L, head_dim)`` and the mask
-            ``"causal"`` (MLX aligns it to the last key, i.e. query i sits at position + i).
-        """
-        L = k.shape[2]
-        end = position + L
-        if end > self.capacity:
-            steps = -(-end // CAPACITY_STEP_TOKENS)
-            self._grow(steps * CAPACITY_STEP_TOKENS, position)
-        self.keys[:, :, position:end, :] = k.astype(self.dtype)
-        self.values[:, :, position:end, :] = v.astype(self.dtype)
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :], "causal"
-
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-    def snapshot(self) -> None:
-        return None  # append-only: restoring the position hides later rows
-
-    def restore(self, snapshot: None) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass  # rows past position 0 are dead; nothing to clear
-
-
-class RingKVCache:
-    """The last ``window`` K/V rows of a sliding-window layer, row ``p`` at slot ``p % window``.
-
-    A chunk of L queries at position p attends to keys ``(p+i-window, p+i]`` (HF Gemma 3:
-    ``q_idx - kv_idx < sliding_window``), so it needs the previous ``window - 1`` rows
-    gathered in order plus its own L rows; the ring then keeps the newest ``window`` rows.
-    """
-
-    def __init__(self, spec: LayerSpec, dtype: mx.Dtype):
-        assert spec.window, "RingKVCache needs a window"
-        self.spec, self.dtype = spec, dtype
-        shape = (1, spec.n_kv_heads, spec.window, spec.head_dim)
-        self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-
-    def _in_order(self, buf: mx.array, start: int, stop: int) -> mx.array:
-        """Rows for positions ``[start, stop)`` (at most `window` of them), oldest first."""
-        W = self.spec.window
-        a, b = start % W, stop % W
-        if stop - start == 0:
-            return buf[:, :, :0, :]
-        if a < b:
-            return buf[:, :, a:b, :]
-        return mx.concatenate([buf[:, :, a:, :], buf[:, :, :b, :]], axis=2)
-
-    def _write(self, buf: mx.array, rows: mx.array, start: int) -> None:
-        W = self.spec.window
-        n = rows.shape[2]
-        a = start % W
-        first = min(n, W - a)
-        buf[:, :, a : a + first, :] = rows[:, :, :first, :]
-        if first < n:
-            buf[:, :, : n - first, :] = rows[:, :, first:, :]
-
-    def update(
-        self, k: mx.array, v: mx.array, position: int
-    ) -> tuple[mx.array, mx.array, mx.array | str | None]:
-        """Attend-to keys/values for a chunk at `position`, then keep the newest rows.
-
-        Args:
-            k, v: ``(B, n_kv_heads, L, head_dim)``.
-        Returns:
-            keys, values of shape ``(B, n_kv_heads, n_prev + L, head_dim)`` with
-            ``n_prev = min(position, window - 1)``, and a boolean mask ``(L, n_prev + L)``
-            (True = attend), ``"causal"`` when the window cannot bind, or None for L == 1.
-        """
-        W, L = self.spec.window, k.shape[2]
-        k, v = k.astype(self.dtype), v.astype(self.dtype)
-        n_prev = min(position, W - 1)
-        keys = mx.concatenate([self._in_order(self.keys, position - n_prev, position), k], axis=2)
-        values = mx.concatenate(
-            [self._in_order(self.values, position - n_prev, position), v], axis=2
-        )
-        keep = min(L, W)
-        self._write(self.keys, k[:, :, L - keep :, :], position + L - keep)
-        self._write(self.values, v[:, :, L - keep :, :], position + L - keep)
-        if L == 1:
-            return keys, values, None
-        if n_prev + L <= W:
-            return keys, values, "causal"
-        q_pos = mx.arange(position, position + L)[:, None]
-        k_pos = mx.arange(position - n_prev, position + L)[None, :]
-        return keys, values, (k_pos <= q_pos) & (q_pos - k_pos < W)
-
-    def state(self) -> list[mx.array]:
-        return [self.keys, self.values]
-
-    def snapshot(self) -> tuple[mx.array, mx.array]:
-        return mx.array(self.keys), mx.array(self.values)
-
-    def restore(self, snapshot: tuple[mx.array, mx.array]) -> None:
-        self.keys, self.values = mx.array(snapshot[0]), mx.array(snapshot[1])
-
-    def reset(self) -> None:
-        self.keys = mx.zeros_like(self.keys)
-        self.values = mx.zeros_like(self.values)
-
-
-@dataclass(frozen=True)
-class CacheSnapshot:
-    position: int
-    layers: tuple
-
-
 class CommittedCache:
-    """Bookkeeping every architecture's cache shares (seeds 004: commit after success).
+    """Bookkeeping every architecture's cache shares: commit after success, poison, reset,
+    and the exact byte state.
 
-    Subclasses set ``layers`` (each with ``reset()``), ``position`` and ``_poisoned`` in
-    ``__init__``, and define ``check_chunk(n_tokens)`` and ``state()``.
+    Subclasses set ``layers`` (each with ``reset()``), ``position``, ``context_length`` and
+    ``_poisoned`` in ``__init__``, and define ``check_chunk(n_tokens)``, ``arrays()``,
+    ``capacity``, ``buffers()`` and ``layout()`` (the metadata `from_state` checks).
     """
 
     layers: list
     position: int
+    context_length: int
     _poisoned: bool
 
     def __getitem__(self, i: int):
@@ -269,12 +198,25 @@ class CommittedCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers allocated now."""
-        return sum(a.nbytes for a in self.state())
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError
 
     def check_chunk(self, n_tokens: int) -> None:
         raise NotImplementedError
 
-    def state(self) -> list[mx.array]:
+    def arrays(self) -> list[mx.array]:
+        """Every buffer, for ``mx.eval`` after a chunk."""
+        raise NotImplementedError
+
+    def buffers(self) -> list[BufferView]:
+        """Every buffer by blob name, with its row axis and rows per token (None: fixed)."""
+        raise NotImplementedError
+
+    def layout(self) -> dict:
+        """Architecture, dtype and shapes: what must match for `from_state` to load."""
         raise NotImplementedError
 
     def commit(self, n_tokens: int) -> None:
@@ -292,69 +234,57 @@ class CommittedCache:
         self.position = 0
         self._poisoned = False
 
+    def state(self, since: int = 0) -> CacheState:
+        """The cache at ``position`` as named little-endian blobs plus metadata (exact).
 
-class ModelCache(CommittedCache):
-    """One job's KV cache: a layer cache per attention layer and the committed position.
+        Append-only blobs hold rows ``[since // ratio, position // ratio)`` in rows-first
+        layout, so the blobs of ``state(since=N)`` appended to those of a state at position
+        N are a state at ``position`` (`CacheState.extend`); fixed blobs (rings, compressor
+        state) are whole.
 
-    The committed ``position`` is the prefill cursor: tokens ``[0, position)`` are in the
-    cache. Layers write at ``position`` during a forward pass; ``commit(n)`` advances it
-    once the chunk's arrays are evaluated.
+        Args:
+            since: a committed position ``<= position`` (0 = a complete state).
+        Raises:
+            CachePoisoned: the cache holds a half-written chunk.
+        """
+        if self._poisoned:
+            raise CachePoisoned("cannot save the state of a poisoned cache")
+        assert 0 <= since <= self.position, f"since {since} outside [0, {self.position}]"
+        meta = {"version": STATE_VERSION, **self.layout(), "position": self.position,
+                "capacity": self.capacity, "context_length": self.context_length}
+        return save_buffers(meta, self.buffers(), since, self.position)
 
-    Args:
-        specs: one `LayerSpec` per layer.
-        context_length: the most tokens this cache may hold.
-        kv_dtype: row dtype (float32 on CPU, bfloat16/float16 on GPU).
-        capacity: tokens to reserve in global layers now (grows on demand past it).
-    """
+    def load_state(self, state: CacheState) -> None:
+        """Fill this freshly allocated cache from `state` (its layout already checked).
 
-    def __init__(
-        self,
-        specs: list[LayerSpec],
-        context_length: int,
-        kv_dtype: mx.Dtype = mx.float32,
-        capacity: int = 0,
-    ):
-        self.specs, self.context_length, self.kv_dtype = list(specs), context_length, kv_dtype
-        capacity = min(capacity, context_length)
-        self.layers = [
-            GlobalKVCache(s, kv_dtype, capacity) if s.window is None else RingKVCache(s, kv_dtype)
-            for s in self.specs
-        ]
-        self.position = 0
+        Raises:
+            CacheStateError: a blob is missing, extra, or of the wrong dtype, shape or size.
+        """
+        self.position = state.meta["position"]
+        try:
+            load_buffers(state, self.buffers(), self.position)
+        except ValueError as e:
+            raise CacheStateError(str(e)) from e
+        mx.eval(self.arrays())
         self._poisoned = False
 
-    @property
-    def capacity(self) -> int:
-        """Tokens the global buffers hold without growing (context length if none)."""
-        caps = [layer.capacity for layer in self.layers if isinstance(layer, GlobalKVCache)]
-        return min(caps) if caps else self.context_length
 
-    def plan(self, context_length: int | None = None) -> CachePlan:
-        return plan_cache(self.specs, context_length or self.context_length, self.kv_dtype)
+def check_layout(meta: dict, expected: dict) -> None:
+    """Raise `CacheStateError` naming the first field of `meta` that differs from `expected`
+    (the version first), or a position past the capacity."""
+    for key, want in {"version": STATE_VERSION, **expected}.items():
+        got = meta.get(key)
+        if got != want:
+            raise CacheStateError(f"cache state {key} is {got!r}, this cache needs {want!r}")
+    position, capacity = meta.get("position"), meta.get("capacity")
+    if not (isinstance(position, int) and isinstance(capacity, int) and 0 <= position <= capacity):
+        raise CacheStateError(f"cache state position {position!r} outside [0, {capacity!r}]")
 
-    def check_chunk(self, n_tokens: int) -> None:
-        """Raise before a forward pass that must not run: poisoned cache or too many tokens."""
-        if self._poisoned:
-            raise CachePoisoned("cache was poisoned by a failed chunk; reset() it first")
-        if self.position + n_tokens > self.context_length:
-            raise ContextExhausted(
-                f"chunk of {n_tokens} tokens at position {self.position} exceeds the "
-                f"context length {self.context_length}"
-            )
 
-    def state(self) -> list[mx.array]:
-        """Every buffer, for ``mx.eval`` after a chunk."""
-        return [a for layer in self.layers for a in layer.state()]
+def kv_dtype_of(meta: dict) -> mx.Dtype:
+    """The KV row dtype a state names. Raises CacheStateError for an unknown one."""
+    name = meta.get("kv_dtype")
+    if name not in DTYPES:
+        raise CacheStateError(f"cache state kv_dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
-    def snapshot(self) -> CacheSnapshot:
-        """Exact rollback point at the current position (copies only ring layers)."""
-        if self._poisoned:
-            raise CachePoisoned("cannot snapshot a poisoned cache")
-        return CacheSnapshot(self.position, tuple(layer.snapshot() for layer in self.layers))
-
-    def restore(self, snapshot: CacheSnapshot) -> None:
-        """Return to `snapshot`; append-only rows past its position become dead."""
-        for layer, saved in zip(self.layers, snapshot.layers, strict=True):
-            layer.restore(saved)
-        self.position = snapshot.position
-        self._poisoned = False

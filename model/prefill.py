@@ -15,7 +15,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cache import ModelCache
+from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
 
 
@@ -61,7 +61,7 @@ def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[in
     cache.check_chunk(len(token_ids))
     try:
         hidden = model(mx.array(token_ids, dtype=mx.int32)[None], cache)
-        mx.eval(hidden, cache.state())
+        mx.eval(hidden, cache.arrays())
     except BaseException:
         cache.poison()
         raise

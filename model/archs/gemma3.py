@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import LayerSpec, ModelCache
+from ..cache import LayerSpec, window_mask
+from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
+from ..kv_cache import ModelCache
 from ..runtime.streams import split_map
 
 ARCHITECTURE = "gemma3"
@@ -115,7 +117,8 @@ class Attention(nn.Module):
     def core(self, q: mx.array, keys: mx.array, values: mx.array, mask, position: int
              ) -> mx.array:
         """The chunk's queries ``(B, heads, L, head_dim)`` over the keys and mask its cache
-        returned (`GlobalKVCache.update`, `RingKVCache.update`); long chunks in blocks."""
+        returned (`model.kv_cache`: ``GlobalKVCache.update``, ``RingKVCache.update``); long
+        chunks in blocks."""
         if q.shape[2] > blocked_above() and mask is not None:
             return self.attend(blocked_attention, q, keys, values, self.scale, position,
                                self.window)
@@ -140,25 +143,15 @@ class Attention(nn.Module):
 
 
 def attention_block() -> int:
-    """Queries per block of `blocked_attention` on the default device.
-
-    The CPU is bound by exponentials (one thread per stream), so skipping masked-out scores
-    pays: 4,096-token prefill on 2 cores 223 -> 242 tok/s at 512 (232-237 at 128-256). An
-    H200 is bound by kernel launches at these sizes, so fewer, larger blocks pay: 512 took
-    Gemma 3 270M shapes from 144K to 109K tok/s (8K prompt, 2,048-token chunks), 1,024
-    matched unblocked (146K).
-    """
+    """Queries per block of `blocked_attention` on the default device: 512 on the CPU
+    (bound by exponentials, so skipping masked scores pays), 1,024 elsewhere (bound by
+    kernel launches, so fewer, larger blocks pay)."""
     return 512 if mx.default_device() == mx.cpu else 1024
 
 
 def blocked_above() -> int:
-    """Chunk length in queries above which `Attention.core` attends in blocks.
-
-    On the CPU, the block size: any chunk longer than one block pays. On an H200, 2,048:
-    there blocks of 1,024 took an 8,192-token chunk from 132K to 196K tok/s (8K prompt;
-    86K -> 148K on a 32K prompt), but split into two they slowed a 2,048-token chunk from
-    161K to 137K (123K -> 116K on 32K), fastest of 4 alternating runs each, 2026-12-01.
-    """
+    """Chunk length in queries above which `Attention.core` attends in blocks: one block on
+    the CPU, 2,048 elsewhere (shorter chunks run faster in one masked attention there)."""
     return attention_block() if mx.default_device() == mx.cpu else 2048
 
 
@@ -208,9 +201,7 @@ def blocked_attention(
         lo = (max(k_start, first - window + 1) if window else k_start) - k_start
         hi = position + i1 - k_start
         if window and first + (i1 - i0) - 1 - (k_start + lo) >= window:
-            q_pos = mx.arange(first, position + i1)[:, None]
-            k_pos = mx.arange(k_start + lo, k_start + hi)[None, :]
-            mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
+            mask = window_mask(first, i1 - i0, k_start + lo, hi - lo, window)
         else:
             mask = "causal"  # MLX aligns the last query with the last key: exactly this
         outs.append(mx.fast.scaled_dot_product_attention(
@@ -294,7 +285,11 @@ class Model(nn.Module):
         self, kv_dtype: mx.Dtype = mx.float32, capacity: int = 0, context_length: int = 0
     ) -> ModelCache:
         ctx = context_length or self.args.context_length
-        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity)
+        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, ARCHITECTURE)
+
+    def cache_from_state(self, state: CacheState) -> ModelCache:
+        """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""
+        return ModelCache.from_state(self.args.layer_specs(), state, ARCHITECTURE)
 
 
 def gguf_name(param: str) -> str:

@@ -1,14 +1,15 @@
 """Independent float64 NumPy reference of the DeepSeek-V4 forward pass, whole prompt in one pass.
 
-Written from the equations of shared/research/deepseek_v4.md (which paraphrases the DeepSeek
-reference `inference/model.py` + `kernel.py`, "REF"), not from the MLX model, so the two can
-check each other. Every dimension comes from the GGUF metadata (`deepseek4.*`), so the same code
-runs on the tiny synthetic model and on a real Flash GGUF (slowly: it is O(n^2) per layer).
+Written from the equations of the DeepSeek-V4 reference `inference/model.py` + `kernel.py`
+("REF", shipped in deepseek-ai's DeepSeek-V4 Hugging Face repositories), not from the MLX
+model, so the two can check each other. Every dimension comes from the GGUF metadata
+(`deepseek4.*`), so the same code runs on the tiny synthetic model and on a real Flash GGUF
+(slowly: it is O(n^2) per layer).
 
 Deliberate omissions, none of which changes the math being checked:
 * REF's QAT simulation (FP8/FP4 quant->dequant of activations and cached rows).
 * The indexer's Hadamard rotation: it is orthogonal and applied to both q_I and K_I, so
-  q_I . K_I is unchanged (research §2.4).
+  q_I . K_I is unchanged (REF `Indexer`).
 * The MTP block (not part of plain prefill logits).
 """
 
@@ -128,7 +129,7 @@ def rope_frequencies(cfg: Config, compressed: bool) -> np.ndarray:
 
     Ratio-0 layers: base `rope.freq_base`, no YaRN. Ratio>0 layers: base
     `attention.compress_rope_freq_base` with YaRN frequency interpolation, exactly REF
-    `precompute_freqs_cis` (DeepSeek-V4 inference/model.py; research §2.1): with
+    `precompute_freqs_cis` (DeepSeek-V4 inference/model.py): with
     corr(b) = d*ln(orig/(2*pi*b)) / (2*ln(base)), low = max(floor(corr(beta_fast)), 0),
     high = min(ceil(corr(beta_slow)), d-1), ramp_i = clip((i - low)/(high - low), 0, 1) over the
     d/2 pair indices i, smooth = 1 - ramp: freq_i = freq_i/factor*(1-smooth_i) + freq_i*smooth_i.
@@ -210,7 +211,8 @@ def hc_mixes(h: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
 
 
 def hc_pre(cfg: Config, w: _Weights, name: str, h: np.ndarray):
-    """mHC split (research §3): returns sublayer input (n, H), post (n, hc), comb (n, hc, hc)."""
+    """mHC split (REF `hc_split_sinkhorn`): returns sublayer input (n, H), post (n, hc),
+    comb (n, hc, hc)."""
     hc = cfg.hc
     fn, base, scale = (w(f"{name}_{p}.weight") for p in ("fn", "base", "scale"))
     mixes = hc_mixes(h, fn, cfg.rms_eps)
@@ -227,7 +229,7 @@ def hc_post(out: np.ndarray, h: np.ndarray, post: np.ndarray, comb: np.ndarray) 
 
 
 def compress(x, kv_w, gate_w, ape, norm_w, ratio, d, freqs, eps) -> np.ndarray:
-    """Gated-pooling compressor (research §2.3, REF `Compressor`): (n, H) -> (n // ratio, d).
+    """Gated-pooling compressor (REF `Compressor`): (n, H) -> (n // ratio, d).
 
     Row j pools window j (tokens j*r..j*r+r-1); for ratio 4 (overlap) it pools the A-halves
     (first d features) of window j-1 and the B-halves of window j, 2r candidates, j = 0 having
@@ -252,7 +254,7 @@ def compress(x, kv_w, gate_w, ape, norm_w, ratio, d, freqs, eps) -> np.ndarray:
 
 
 def indexer_select(cfg, w, prefix, x, qr, freqs, trace) -> np.ndarray:
-    """Lightning indexer (research §2.4): bool (n, n_rows), the compressed rows each query uses.
+    """Lightning indexer (REF `Indexer`): bool (n, n_rows), the compressed rows each query uses.
 
     score(p, j) = sum_h w[p,h] * relu(q_I[p,h] . K_I[j]) over visible rows j < (p+1)//4, top
     k = min(top_k, visible). Ties keep the lower row index (stable sort); `trace` records the
@@ -288,7 +290,7 @@ def indexer_select(cfg, w, prefix, x, qr, freqs, trace) -> np.ndarray:
 
 
 def attention(cfg: Config, w: _Weights, layer: int, x: np.ndarray, trace) -> np.ndarray:
-    """One attention sublayer over the whole prompt: (n, H) -> (n, H). Research §2."""
+    """One attention sublayer over the whole prompt: (n, H) -> (n, H). REF `Attention`."""
     p, n = f"blk.{layer}.", x.shape[0]
     nh, hd, ratio, eps = cfg.n_heads, cfg.head_dim, cfg.compress_ratios[layer], cfg.rms_eps
     pos = np.arange(n)
@@ -340,7 +342,7 @@ def _swiglu(x, gate_w, up_w, down_w, limit: float, weight=None) -> np.ndarray:
 
 
 def moe(cfg, w, layer: int, x: np.ndarray, token_ids: np.ndarray, trace) -> np.ndarray:
-    """Routed experts + one shared expert (research §3b, REF `Gate`/`MoE`): (n, H) -> (n, H)."""
+    """Routed experts + one shared expert (REF `Gate`/`MoE`): (n, H) -> (n, H)."""
     p, k, limit = f"blk.{layer}.", cfg.n_used, cfg.swiglu_limits[layer]
     scores = np.sqrt(np.logaddexp(0.0, x @ w(p + "ffn_gate_inp.weight").T))  # sqrt(softplus)
     if layer < cfg.hash_layers:
@@ -387,7 +389,7 @@ def forward_hidden(gguf: GGUFFile, token_ids: list[int], trace: dict | None = No
 
 
 def head_logits(gguf: GGUFFile, h: np.ndarray) -> np.ndarray:
-    """mHC head + output norm + lm head: (n, hc, H) -> (n, V) float64. Research §3."""
+    """mHC head + output norm + lm head: (n, hc, H) -> (n, V) float64. REF `Transformer`."""
     cfg, w = load_config(gguf), _Weights(gguf)
     mixes = hc_mixes(h, w("output_hc_fn.weight"), cfg.rms_eps)
     pre = sigmoid(mixes * w("output_hc_scale.weight")[0] + w("output_hc_base.weight")) + cfg.hc_eps

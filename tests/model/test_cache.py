@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 
 from model.cache import (
-    CAPACITY_STEP_TOKENS,
     CachePoisoned,
     ContextExhausted,
-    GlobalKVCache,
     LayerSpec,
-    ModelCache,
-    RingKVCache,
     plan_cache,
 )
+from model.kv_cache import CAPACITY_STEP_TOKENS, GlobalKVCache, ModelCache, RingKVCache
 
 W = 8  # test window
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16  # grouped-query: 2 query heads per KV head
@@ -81,7 +78,7 @@ def attend(layer, q, k, v, start: int, end: int) -> mx.array:
     out = mx.fast.scaled_dot_product_attention(
         mx.array(q[:, :, sl]), keys, values, scale=SCALE, mask=mask
     )
-    mx.eval(out, layer.state())
+    mx.eval(out, layer.arrays())
     return out
 
 
@@ -137,6 +134,15 @@ def test_resident_bytes_exactly_linear_beyond_the_window(dtype):
         for ctx, plan in plans.items()
     }
     assert len(set(window_bytes.values())) == 1
+
+
+def test_describe_layers():
+    """What ``prefillq plan`` prints per layer (without its two-space indent)."""
+    lines = plan_cache(gemma3_270m_specs(), 4096, mx.bfloat16).describe_layers()
+    assert len(lines) == 18
+    assert lines[0] == "layer  0: window 512 rows x 1024 B"
+    assert lines[5] == "layer  5: global 4096 rows x 1024 B"
+    assert lines[17] == "layer 17: global 4096 rows x 1024 B"
 
 
 def test_plan_without_windows_has_no_fixed_bytes():
@@ -278,10 +284,10 @@ def test_layer_writes_do_not_move_the_position_until_commit():
     for i, (q, k, v) in enumerate(data):
         attend(cache[i], q, k, v, 0, 10)
     assert cache.position == 0
-    before = [np.array(a) for a in cache.state()]
+    before = [np.array(a) for a in cache.arrays()]
     cache.commit(10)
     assert cache.position == 10
-    after = [np.array(a) for a in cache.state()]
+    after = [np.array(a) for a in cache.arrays()]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
 
@@ -332,7 +338,7 @@ def test_snapshot_restore_gives_identical_outputs():
     snap = cache.snapshot()
     assert snap.position == T_prefix
     first = feed_all(cache, data, T_prefix, T_prefix + T_suffix, 4)
-    after_suffix = [np.array(a) for a in cache.state()]
+    after_suffix = [np.array(a) for a in cache.arrays()]
     cache.restore(snap)
     assert cache.position == T_prefix
     second = feed_all(cache, data, T_prefix, T_prefix + T_suffix, 4)
@@ -345,7 +351,7 @@ def test_snapshot_restore_gives_identical_outputs():
     for a, b in zip(first, third, strict=True):
         np.testing.assert_array_equal(a, b)
     # replaying the same suffix leaves the same buffers behind
-    for a, b in zip(after_suffix, cache.state(), strict=True):
+    for a, b in zip(after_suffix, cache.arrays(), strict=True):
         np.testing.assert_array_equal(a, np.array(b))
 
 
@@ -355,7 +361,7 @@ def test_restore_copies_ring_rows_and_only_hides_global_rows():
     cache = ModelCache(SPECS, context_length=200, capacity=200)
     feed_all(cache, data, 0, T_prefix, 5)
     snap = cache.snapshot()
-    ring_before = [np.array(a) for a in cache[0].state()]
+    ring_before = [np.array(a) for a in cache[0].arrays()]
     feed_all(cache, data, T_prefix, T_prefix + T_suffix, 4)
     assert not np.array_equal(np.array(cache[0].keys), ring_before[0])  # the suffix moved it
     cache.restore(snap)

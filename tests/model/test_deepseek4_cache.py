@@ -1,5 +1,6 @@
 """DeepSeek-V4 cache: plan arithmetic (Flash config), typed errors, snapshot/restore and growth
-at the buffer level (seeds 004 and 000). No weights: buffers are filled with random values."""
+at the buffer level (the cases of hf2q's ``Deepseek4Cache`` tests,
+github.com/robertelee78/hf2q). No weights: buffers are filled with random values."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import pytest
 from model import cache as base
 from model.archs.deepseek4 import ModelArgs, flash_args
 from model.archs.deepseek4 import cache as dc
+from model.archs.deepseek4 import planning as dp
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
 
-FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8  # = 6,880 (DESIGN.md §7)
+# 21 ratio-4 layers (a 512-wide compressed and a 128-wide indexer row per 4 tokens, bf16)
+# and 20 ratio-128 layers (a 512-wide row per 128 tokens): 6,880 bytes per token.
+FLASH_BYTES_PER_TOKEN = 21 * (256 + 64) + 20 * 8
 
 
 @functools.cache
@@ -30,7 +34,7 @@ def tiny_args(**overrides) -> ModelArgs:
 
 
 def test_flash_plan_bf16_bytes_per_token():
-    plan = dc.plan(flash_args(), 131_072)
+    plan = dp.plan(flash_args(), 131_072)
     assert FLASH_BYTES_PER_TOKEN == 6_880
     assert plan.bytes_per_token == FLASH_BYTES_PER_TOKEN
     assert plan.kv_dtype == "mlx.core.bfloat16"
@@ -38,7 +42,7 @@ def test_flash_plan_bf16_bytes_per_token():
 
 
 def test_flash_plan_layer_buffers():
-    plan = dc.plan(flash_args(), 1024)
+    plan = dp.plan(flash_args(), 1024)
     shapes = {b.kind: (b.shape, b.dtype.split(".")[-1]) for b in plan.layers[2].buffers}
     assert shapes == {
         "window": ((128, 512), "bfloat16"),
@@ -64,7 +68,7 @@ def test_flash_plan_resident_bytes_linear_in_context():
     window = 43 * 128 * 512 * 2
     states = 21 * (2 * 8 * 1024 * 4 + 2 * 8 * 256 * 4) + 20 * 2 * 128 * 512 * 4
     for ctx in (128, 1024, 4096, 131_072, 262_144, 1_048_576):
-        plan = dc.plan(flash_args(), ctx)
+        plan = dp.plan(flash_args(), ctx)
         assert plan.fixed_bytes == window + states == 17_842_176
         assert plan.resident_bytes == plan.fixed_bytes + FLASH_BYTES_PER_TOKEN * ctx, ctx
         summary = plan.summary()
@@ -72,8 +76,24 @@ def test_flash_plan_resident_bytes_linear_in_context():
         assert summary["n_layers"] == 43 and summary["context_length"] == ctx
 
 
+def test_describe_layers():
+    """What ``prefillq plan`` prints per layer (without its two-space indent)."""
+    lines = dp.plan(flash_args(), 1024).describe_layers()
+    assert len(lines) == 43
+    assert lines[0] == "layer  0 (ratio 0): window [128, 512]"
+    assert lines[2] == (
+        "layer  2 (ratio 4): window [128, 512], compressed [256, 512], indexer [256, 128], "
+        "main_kv_state [8, 1024], main_score_state [8, 1024], indexer_kv_state [8, 256], "
+        "indexer_score_state [8, 256]"
+    )
+    assert lines[3] == (
+        "layer  3 (ratio 128): window [128, 512], compressed [8, 512], "
+        "main_kv_state [128, 512], main_score_state [128, 512]"
+    )
+
+
 def test_plan_says_f32_rows():
-    plan = dc.plan(flash_args(), 1024, mx.float32)
+    plan = dp.plan(flash_args(), 1024, mx.float32)
     assert plan.kv_dtype == "mlx.core.float32"
     assert plan.bytes_per_token == 2 * FLASH_BYTES_PER_TOKEN
     assert all(b.dtype == "mlx.core.float32" for layer in plan.layers for b in layer.buffers)
@@ -82,7 +102,7 @@ def test_plan_says_f32_rows():
 def test_allocation_matches_plan():
     args = tiny_args()
     for dtype in (mx.float32, mx.bfloat16):
-        plan = dc.plan(args, 512, dtype)
+        plan = dp.plan(args, 512, dtype)
         cache = dc.Deepseek4Cache(args, plan)
         assert cache.nbytes == plan.resident_bytes
         assert cache.capacity == 512 and cache.position == 0
@@ -92,37 +112,37 @@ def test_allocation_matches_plan():
 
 
 def test_cache_capacity_for_request_seed_values():
-    assert dc.cache_capacity_for_request(524_288, 131_072, 98_000, 8_192) == 131_072
-    assert dc.cache_capacity_for_request(524_288, 131_072, 131_000, 8_192) == 262_144
-    assert dc.cache_capacity_for_request(524_288, 262_144, 510_000, 32_768) == 524_288
+    assert dp.cache_capacity_for_request(524_288, 131_072, 98_000, 8_192) == 131_072
+    assert dp.cache_capacity_for_request(524_288, 131_072, 131_000, 8_192) == 262_144
+    assert dp.cache_capacity_for_request(524_288, 262_144, 510_000, 32_768) == 524_288
 
 
 def test_plan_errors():
-    with pytest.raises(dc.EmptyContext):
-        dc.plan(flash_args(), 0)
-    with pytest.raises(dc.ContextBound):
-        dc.plan(flash_args(), 1_048_577)
-    with pytest.raises(dc.SlidingWindow):
-        dc.plan(flash_args(sliding_window=0), 1024)
-    with pytest.raises(dc.CompressionRatio, match="layer 3"):
-        dc.plan(tiny_args(compress_ratios=(0, 0, 4, 8, 4, 128)), 1024)
-    with pytest.raises(dc.LayerCount):
-        dc.plan(tiny_args(compress_ratios=(0, 4, 128)), 1024)
+    with pytest.raises(dp.EmptyContext):
+        dp.plan(flash_args(), 0)
+    with pytest.raises(dp.ContextBound):
+        dp.plan(flash_args(), 1_048_577)
+    with pytest.raises(dp.SlidingWindow):
+        dp.plan(flash_args(sliding_window=0), 1024)
+    with pytest.raises(dp.CompressionRatio, match="layer 3"):
+        dp.plan(tiny_args(compress_ratios=(0, 0, 4, 8, 4, 128)), 1024)
+    with pytest.raises(dp.LayerCount):
+        dp.plan(tiny_args(compress_ratios=(0, 4, 128)), 1024)
 
 
 def test_window_mismatch():
-    """A plan for another window (the seeds' 128-token check) is refused by the model's cache."""
-    plan = dc.plan(tiny_args(sliding_window=128), 512)
-    with pytest.raises(dc.SlidingWindow):
+    """A plan for another window (hf2q's 128-token check) is refused by the model's cache."""
+    plan = dp.plan(tiny_args(sliding_window=128), 512)
+    with pytest.raises(dp.SlidingWindow):
         dc.Deepseek4Cache(tiny_args(), plan)
-    with pytest.raises(dc.CompressionRatio):
-        dc.Deepseek4Cache(tiny_args(compress_ratios=(0, 0, 4, 128, 4, 4)), dc.plan(tiny_args(), 64))
+    with pytest.raises(dp.CompressionRatio):
+        dc.Deepseek4Cache(tiny_args(compress_ratios=(0, 0, 4, 128, 4, 4)), dp.plan(tiny_args(), 64))
 
 
 def test_exhausted_and_poisoned():
-    cache = dc.Deepseek4Cache(tiny_args(), dc.plan(tiny_args(), 64))
+    cache = dc.Deepseek4Cache(tiny_args(), dp.plan(tiny_args(), 64))
     cache.check_chunk(64)
-    with pytest.raises(dc.ContextExhausted):
+    with pytest.raises(base.ContextExhausted):
         cache.check_chunk(65)
     cache.commit(60)
     with pytest.raises(base.ContextExhausted):  # the generic type the prefill loop knows
@@ -130,9 +150,8 @@ def test_exhausted_and_poisoned():
     cache.poison()
     assert cache.is_poisoned
     for call in (lambda: cache.check_chunk(1), lambda: cache.commit(1), cache.snapshot):
-        with pytest.raises(dc.Poisoned):
+        with pytest.raises(base.CachePoisoned):
             call()
-    assert isinstance(dc.Poisoned(), base.CachePoisoned)
     cache.reset()
     assert not cache.is_poisoned and cache.position == 0
     cache.check_chunk(1)
@@ -156,13 +175,13 @@ def arrays(cache: dc.Deepseek4Cache) -> list[dict[str, np.ndarray]]:
 
 def test_snapshot_restore_exact():
     args = tiny_args()
-    cache = dc.Deepseek4Cache(args, dc.plan(args, 256))
+    cache = dc.Deepseek4Cache(args, dp.plan(args, 256))
     fill(cache, 0)
     cache.commit(37)
     saved, snap = arrays(cache), cache.snapshot()
     assert snap.position == 37
     # append-only rows are not copied: only rings and compressor state
-    assert set(snap.layers[2]) == {"window", *dc.STATE_KINDS}
+    assert set(snap.layers[2]) == {"window", *dp.STATE_KINDS}
     assert set(snap.layers[3]) == {"window", "main_kv_state", "main_score_state"}
     assert snap.nbytes < cache.nbytes
     fill(cache, 1)  # a later chunk overwrites ring, state and rows past 37
@@ -178,14 +197,14 @@ def test_snapshot_restore_exact():
     fill(cache, 2)
     cache.restore(snap)
     np.testing.assert_array_equal(np.array(cache[2].window.astype(mx.float32)), saved[2]["window"])
-    other = dc.Deepseek4Cache(args, dc.plan(args, 512))
+    other = dc.Deepseek4Cache(args, dp.plan(args, 512))
     with pytest.raises(dc.SnapshotPlanMismatch):
         other.restore(snap)
 
 
 def test_reset_reinitializes_compressor_state():
     args = tiny_args()
-    cache = dc.Deepseek4Cache(args, dc.plan(args, 64))
+    cache = dc.Deepseek4Cache(args, dp.plan(args, 64))
     fill(cache, 0)
     cache.commit(10)
     cache.reset()
@@ -197,12 +216,12 @@ def test_reset_reinitializes_compressor_state():
 
 def test_migrate_keeps_live_prefix_and_source():
     args = tiny_args()
-    source = dc.Deepseek4Cache(args, dc.plan(args, 128))
+    source = dc.Deepseek4Cache(args, dp.plan(args, 128))
     fill(source, 0)
     source.commit(101)
     before = arrays(source)
     snap = source.snapshot()
-    target = dc.Deepseek4Cache(args, dc.plan(args, 512))
+    target = dc.Deepseek4Cache(args, dp.plan(args, 512))
     fill(target, 1)  # garbage past the live prefix must not matter
     rebound = target.migrate_from(source, snap)
     assert target.position == 101 and target.capacity == 512
@@ -231,32 +250,32 @@ def test_migrate_keeps_live_prefix_and_source():
 def test_migrate_short_window_prefix():
     """A source smaller than one window keeps rows at slot == position in the larger ring."""
     args = tiny_args()
-    source = dc.Deepseek4Cache(args, dc.plan(args, 8))
+    source = dc.Deepseek4Cache(args, dp.plan(args, 8))
     fill(source, 0)
     source.commit(6)
-    target = dc.Deepseek4Cache(args, dc.plan(args, 64))
+    target = dc.Deepseek4Cache(args, dp.plan(args, 64))
     target.migrate_from(source)
     np.testing.assert_array_equal(arrays(target)[0]["window"][:6], arrays(source)[0]["window"][:6])
 
 
 def test_failed_migration_leaves_source_usable():
     args = tiny_args()
-    source = dc.Deepseek4Cache(args, dc.plan(args, 256))
+    source = dc.Deepseek4Cache(args, dp.plan(args, 256))
     fill(source, 0)
     source.commit(50)
     before = arrays(source)
-    target = dc.Deepseek4Cache(args, dc.plan(args, 128))
+    target = dc.Deepseek4Cache(args, dp.plan(args, 128))
     target_before = arrays(target)
     with pytest.raises(dc.MigrationContext):
         target.migrate_from(source)
     other_window = replace(args, sliding_window=32)
     with pytest.raises(dc.MigrationPlanMismatch):
-        dc.Deepseek4Cache(other_window, dc.plan(other_window, 512)).migrate_from(source)
+        dc.Deepseek4Cache(other_window, dp.plan(other_window, 512)).migrate_from(source)
     fewer = replace(args, num_hidden_layers=4, compress_ratios=(0, 0, 4, 128))
     with pytest.raises(dc.MigrationLayerCount):
-        dc.Deepseek4Cache(fewer, dc.plan(fewer, 512)).migrate_from(source)
-    bigger = dc.Deepseek4Cache(args, dc.plan(args, 512))
-    stale = dc.Deepseek4Cache(args, dc.plan(args, 64)).snapshot()
+        dc.Deepseek4Cache(fewer, dp.plan(fewer, 512)).migrate_from(source)
+    bigger = dc.Deepseek4Cache(args, dp.plan(args, 512))
+    stale = dc.Deepseek4Cache(args, dp.plan(args, 64)).snapshot()
     with pytest.raises(dc.MigrationSnapshotPlanMismatch):
         bigger.migrate_from(source, stale)
     ahead = source.snapshot()
@@ -266,7 +285,7 @@ def test_failed_migration_leaves_source_usable():
     assert bigger.position == 0
     source.restore(ahead)
     source.poison()
-    with pytest.raises(dc.Poisoned):
+    with pytest.raises(base.CachePoisoned):
         bigger.migrate_from(source)
     source.restore(ahead)
     assert source.position == 50 and not source.is_poisoned
@@ -281,16 +300,16 @@ def test_failed_migration_leaves_source_usable():
 
 def test_check_chunk_grows_capacity():
     args = tiny_args()
-    cache = dc.Deepseek4Cache(args, dc.plan(args, 64), context_length=4096)
+    cache = dc.Deepseek4Cache(args, dp.plan(args, 64), context_length=4096)
     fill(cache, 0)
     cache.commit(60)
     before = arrays(cache)
     cache.check_chunk(10)  # 70 > 64: grows to the serving context (one 131,072 step)
     assert cache.capacity == 4096 and cache.position == 60
-    assert cache.nbytes == dc.plan(args, 4096).resident_bytes == cache.plan().resident_bytes
+    assert cache.nbytes == dp.plan(args, 4096).resident_bytes == cache.plan().resident_bytes
     np.testing.assert_array_equal(np.array(cache[3].main_kv_state), before[3]["main_kv_state"])
     np.testing.assert_array_equal(arrays(cache)[2]["compressed"][:15], before[2]["compressed"][:15])
-    with pytest.raises(dc.ContextExhausted):
+    with pytest.raises(base.ContextExhausted):
         cache.check_chunk(4096)
 
 

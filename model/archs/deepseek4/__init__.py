@@ -1,19 +1,25 @@
-"""DeepSeek-V4 (the seeds' architecture): the model, its compressed KV cache and plan."""
+"""DeepSeek-V4: the model (`model`, with `compressor`, `indexer`, `moe`, `layers`), its
+cache plan (`planning`) and compressed KV cache (`cache`)."""
 
-from .model import (
-    ARCHITECTURE,
-    Model,
-    ModelArgs,
-    dummy_model,
-    flash_args,
-    load,
-    use_grouped_experts,
-)
+from .cache import Deepseek4Cache
+from .compressor import Compressor
+from .dummy import dummy_model
+from .indexer import Indexer
+from .model import ARCHITECTURE, Attention, Block, Model, ModelArgs, flash_args, load
+from .moe import MoE, use_grouped_experts
+from .planning import Deepseek4CachePlan
 
 __all__ = [
     "ARCHITECTURE",
+    "Attention",
+    "Block",
+    "Compressor",
+    "Deepseek4Cache",
+    "Deepseek4CachePlan",
+    "Indexer",
     "Model",
     "ModelArgs",
+    "MoE",
     "dummy_model",
     "flash_args",
     "load",

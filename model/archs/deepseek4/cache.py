@@ -1,74 +1,43 @@
 """DeepSeek-V4 KV cache: circular window, compressed rows, indexer rows, compressor state.
 
-Ported from hf2q's ``Deepseek4Cache`` (seeds 004). Per layer with compress ratio ``r``:
-
-- ``window``: ring of the last ``min(context, W)`` KV rows ``(rows, head_dim)``, row of
-  position ``p`` at slot ``p % rows`` (overwritten: snapshots copy it);
-- ``compressed`` (r > 0): ``(context // r, head_dim)``, row ``j`` pools tokens
-  ``[j*r, (j+1)*r)`` (append-only: a restored position hides later rows);
-- ``indexer`` (r == 4): ``(context // 4, index_head_dim)`` lightning-indexer keys;
-- ``main_kv_state``/``main_score_state`` (and ``indexer_*`` for r == 4): float32
-  ``(coff*r, coff*d)`` recurrent compressor state, ``coff = 2`` iff r == 4. Slots ``[0, r)``
-  of an overlapping compressor hold the previous complete window, the remainder tokens of
-  the current window sit at slot ``off + t % r`` (``off = r`` if overlapping else 0), as in
-  the DeepSeek-V4 reference ``Compressor`` decode state.
+Buffers as `model.archs.deepseek4.planning` lays them out. The window ring's row of position
+``p`` sits at slot ``p % rows`` (overwritten: snapshots copy it); compressed and indexer rows
+are append-only (a restored position hides later rows). Slots ``[0, r)`` of an overlapping
+compressor's state hold the previous complete window, the remainder tokens of the current
+window sit at slot ``off + t % r`` (``off = r`` if overlapping else 0), as in the DeepSeek-V4
+reference ``inference/model.py`` ``Compressor`` decode state.
 
 The committed ``position`` is the prefill cursor; a forward pass writes past it and
-``commit`` advances it only after the chunk was evaluated.
+``commit`` advances it only after the chunk was evaluated (`model.cache.CommittedCache`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import mlx.core as mx
 
 from ... import cache as base
-
-SUPPORTED_RATIOS = (0, 4, 128)
-OVERLAP_RATIO = 4  # only ratio-4 compressors overlap (and only ratio-4 layers index)
-# hf2q grows a serving cache in steps of this many tokens (seeds 000 INITIAL_CACHE_LENGTH).
-INITIAL_CACHE_LENGTH = 131_072
-STATE_DTYPE = mx.float32
-STATE_KINDS = ("main_kv_state", "main_score_state", "indexer_kv_state", "indexer_score_state")
-
-
-class Deepseek4CacheError(base.CacheError):
-    """Base class of DeepSeek-V4 cache errors."""
-
-
-class EmptyContext(Deepseek4CacheError, ValueError):
-    """A cache for zero tokens was requested."""
-
-
-class ContextBound(Deepseek4CacheError, ValueError):
-    """The requested context exceeds the model's context length."""
-
-
-class SlidingWindow(Deepseek4CacheError, ValueError):
-    """The window is not positive, or a plan's window differs from the model's."""
-
-
-class LayerCount(Deepseek4CacheError, ValueError):
-    """The compression schedule has a different length than the model's layer count."""
-
-
-class CompressionRatio(Deepseek4CacheError, ValueError):
-    """A layer's compress ratio is not 0, 4 or 128."""
+from ...cache_state import BufferView, CacheState, dtype_name
+from .planning import (
+    ARCHITECTURE,
+    INITIAL_CACHE_LENGTH,
+    STATE_DTYPE,
+    STATE_KINDS,
+    CompressionRatio,
+    Deepseek4CacheError,
+    Deepseek4CachePlan,
+    LayerCachePlan,
+    SlidingWindow,
+    cache_capacity_for_request,
+    plan,
+    plan_dtype,
+)
 
 
 class Accounting(Deepseek4CacheError):
     """Allocated bytes differ from the plan's."""
-
-
-class ContextExhausted(base.ContextExhausted, Deepseek4CacheError):
-    """A chunk would write past the cache's serving context."""
-
-
-class Poisoned(base.CachePoisoned, Deepseek4CacheError):
-    """A chunk failed part-way; ``reset()`` the cache and replay."""
 
 
 class SnapshotPlanMismatch(Deepseek4CacheError):
@@ -95,165 +64,19 @@ class MigrationSnapshotPosition(Deepseek4CacheError):
     """The snapshot carried through growth is ahead of the source's position."""
 
 
-@dataclass(frozen=True)
-class BufferPlan:
-    """One buffer. ``per_token_bytes`` is its context-linear share (0 for fixed buffers)."""
-
-    kind: str
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    per_token_bytes: Fraction = Fraction(0)
-
-
-@dataclass(frozen=True)
-class LayerCachePlan:
-    layer: int
-    compress_ratio: int
-    buffers: tuple[BufferPlan, ...]
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(b.bytes for b in self.buffers)
-
-    def buffer(self, kind: str) -> BufferPlan | None:
-        return next((b for b in self.buffers if b.kind == kind), None)
-
-
-@dataclass(frozen=True)
-class Deepseek4CachePlan:
-    """Byte accounting of a DeepSeek-V4 cache for `context_length` tokens (pure arithmetic).
-
-    Attributes:
-        window: the model's sliding window in tokens.
-        bytes_per_token: context-linear bytes per token (compressed and indexer rows).
-        fixed_bytes: bytes independent of context (full window rings, compressor state).
-        resident_bytes: all buffers at `context_length`; equals ``fixed_bytes +
-            bytes_per_token * context_length`` when the context is a multiple of every
-            ratio and at least one window.
-    """
-
-    context_length: int
-    kv_dtype: str
-    window: int
-    layers: tuple[LayerCachePlan, ...]
-    bytes_per_token: int | float
-    fixed_bytes: int
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(layer.resident_bytes for layer in self.layers)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-    def summary(self) -> dict[str, Any]:
-        """The JSON-able totals (what ``prefillq plan --json`` prints)."""
-        return {
-            "n_layers": self.n_layers,
-            "context_length": self.context_length,
-            "kv_dtype": self.kv_dtype,
-            "window": self.window,
-            "bytes_per_token": self.bytes_per_token,
-            "fixed_bytes": self.fixed_bytes,
-            "resident_bytes": self.resident_bytes,
-        }
-
-
-def _buffer(kind: str, shape: tuple[int, ...], dtype: mx.Dtype, ratio: int = 0) -> BufferPlan:
-    item = base.dtype_bytes(dtype)
-    row_bytes = item * shape[1]
-    per_token = Fraction(row_bytes, ratio) if ratio else Fraction(0)
-    return BufferPlan(kind, shape, str(dtype), item * shape[0] * shape[1], per_token)
-
-
-def _state_buffers(prefix: str, ratio: int, dim: int) -> list[BufferPlan]:
-    coff = 2 if ratio == OVERLAP_RATIO else 1
-    shape = (coff * ratio, coff * dim)
-    return [
-        _buffer(f"{prefix}_kv_state", shape, STATE_DTYPE),
-        _buffer(f"{prefix}_score_state", shape, STATE_DTYPE),
-    ]
-
-
-def validate_schedule(args: Any) -> None:
-    """Check window and compress ratios of `args` (a `deepseek4.ModelArgs`)."""
-    if args.sliding_window < 1:
-        raise SlidingWindow(f"sliding window must be positive, got {args.sliding_window}")
-    ratios = list(args.compress_ratios)
-    if len(ratios) != args.num_hidden_layers:
-        raise LayerCount(
-            f"compression schedule has {len(ratios)} layers, expected {args.num_hidden_layers}"
-        )
-    for layer, ratio in enumerate(ratios):
-        if ratio not in SUPPORTED_RATIOS:
-            raise CompressionRatio(f"layer {layer} has unsupported compression ratio {ratio}")
-
-
-def plan(args: Any, context_length: int, kv_dtype: mx.Dtype = mx.bfloat16) -> Deepseek4CachePlan:
-    """Plan every buffer of a cache for `context_length` tokens with `kv_dtype` KV rows.
-
-    Args:
-        args: a `deepseek4.ModelArgs` (compress_ratios, sliding_window, head_dim,
-            index_head_dim, num_hidden_layers, context_length).
-        kv_dtype: window/compressed/indexer row dtype (compressor state is always float32).
-    Raises:
-        EmptyContext, ContextBound, SlidingWindow, LayerCount, CompressionRatio.
-    """
-    if context_length <= 0:
-        raise EmptyContext("DeepSeek-V4 cache context must be greater than zero")
-    if context_length > args.context_length:
-        raise ContextBound(
-            f"requested cache context {context_length} exceeds model bound {args.context_length}"
-        )
-    validate_schedule(args)
-    hd, ihd, W = args.head_dim, args.index_head_dim, args.sliding_window
-    layers, per_token, fixed = [], Fraction(0), 0
-    for layer, r in enumerate(args.compress_ratios):
-        buffers = [_buffer("window", (min(context_length, W), hd), kv_dtype)]
-        fixed += W * hd * base.dtype_bytes(kv_dtype)
-        if r:
-            buffers.append(_buffer("compressed", (context_length // r, hd), kv_dtype, r))
-            states = _state_buffers("main", r, hd)
-            if r == OVERLAP_RATIO:
-                buffers.append(_buffer("indexer", (context_length // r, ihd), kv_dtype, r))
-                states += _state_buffers("indexer", r, ihd)
-            buffers += states
-            fixed += sum(s.bytes for s in states)
-        per_token += sum(b.per_token_bytes for b in buffers)
-        layers.append(LayerCachePlan(layer, r, tuple(buffers)))
-    bpt = int(per_token) if per_token.denominator == 1 else float(per_token)
-    return Deepseek4CachePlan(context_length, str(kv_dtype), W, tuple(layers), bpt, fixed)
-
-
-def cache_capacity_for_request(
-    serving_context: int, current_capacity: int, prompt_tokens: int, max_tokens: int
-) -> int:
-    """Capacity to hold a request: the current one if it fits, else the next multiple of
-    ``INITIAL_CACHE_LENGTH`` tokens, capped at `serving_context` (seeds 000)."""
-    required = min(prompt_tokens + max(max_tokens, 1) - 1, serving_context)
-    if required <= current_capacity:
-        return current_capacity
-    steps = -(-required // INITIAL_CACHE_LENGTH)
-    return min(steps * INITIAL_CACHE_LENGTH, serving_context)
-
-
-def _dtype(name: str) -> mx.Dtype:
-    return {str(d): d for d in (mx.float32, mx.float16, mx.bfloat16)}[name]
-
-
 class LayerCache:
-    """One layer's buffers (attributes named after the plan's buffer kinds, None if absent)."""
+    """One layer's buffers (attributes named after the plan's buffer kinds, None if absent);
+    ``window`` is the data of ``ring``, a `model.cache.RingBuffer` over axis 0."""
 
     def __init__(self, layer_plan: LayerCachePlan):
         self.plan = layer_plan
         self.ratio = layer_plan.compress_ratio
-        self.window = self.compressed = self.indexer = None
+        self.ring = base.RingBuffer(mx.zeros((0,)))
+        self.compressed = self.indexer = None
         self.main_kv_state = self.main_score_state = None
         self.indexer_kv_state = self.indexer_score_state = None
         for b in layer_plan.buffers:
-            setattr(self, b.kind, mx.zeros(b.shape, _dtype(b.dtype)))
+            setattr(self, b.kind, mx.zeros(b.shape, plan_dtype(b.dtype)))
         self.reset()
 
     def reset(self) -> None:
@@ -267,28 +90,21 @@ class LayerCache:
     def arrays(self) -> list[mx.array]:
         return [getattr(self, b.kind) for b in self.plan.buffers]
 
-    # -- circular window ------------------------------------------------------------------
-    def window_rows(self, start: int, stop: int) -> mx.array:
-        """Rows of positions ``[start, stop)`` (at most the ring's size), oldest first."""
-        n = self.window.shape[0]
-        assert 0 <= stop - start <= n, f"{stop - start} rows from a ring of {n}"
-        if stop == start:
-            return self.window[:0]
-        a, b = start % n, stop % n
-        if a < b:
-            return self.window[a:b]
-        return mx.concatenate([self.window[a:], self.window[:b]], axis=0)
+    @property
+    def window(self) -> mx.array:
+        return self.ring.data
 
-    def write_window(self, rows: mx.array, start: int) -> None:
-        """Keep the newest ring-size rows of `rows` (positions ``[start, start + len)``)."""
-        n, L = self.window.shape[0], rows.shape[0]
-        keep = min(L, n)
-        rows, start = rows[L - keep :].astype(self.window.dtype), start + L - keep
-        a = start % n
-        first = min(keep, n - a)
-        self.window[a : a + first] = rows[:first]
-        if first < keep:
-            self.window[: keep - first] = rows[first:]
+    @window.setter
+    def window(self, data: mx.array) -> None:
+        self.ring.data = data
+
+    def buffers(self, prefix: str) -> list[BufferView]:
+        """The window ring and compressor state whole; compressed/indexer rows append-only."""
+        out = []
+        for b in self.plan.buffers:
+            ratio = self.ratio if b.kind in ("compressed", "indexer") else None
+            out.append(BufferView(f"{prefix}.{b.kind}", getattr(self, b.kind), 0, ratio))
+        return out
 
 
 @dataclass(frozen=True)
@@ -353,23 +169,65 @@ class Deepseek4Cache(base.CommittedCache):
     def plan(self, context_length: int | None = None) -> Deepseek4CachePlan:
         if context_length is None:
             return self._plan
-        return plan(self.args, context_length, _dtype(self._plan.kv_dtype))
+        return plan(self.args, context_length, plan_dtype(self._plan.kv_dtype))
 
-    def state(self) -> list[mx.array]:
+    @property
+    def kv_dtype(self) -> mx.Dtype:
+        return plan_dtype(self._plan.kv_dtype)
+
+    def arrays(self) -> list[mx.array]:
         """Every buffer, for ``mx.eval`` after a chunk."""
         return [a for layer in self.layers for a in layer.arrays()]
+
+    def buffers(self) -> list[BufferView]:
+        return [b for i, layer in enumerate(self.layers) for b in layer.buffers(f"layers.{i}")]
+
+    def layout(self) -> dict:
+        a = self.args
+        return {
+            "cache": type(self).__name__,
+            "architecture": ARCHITECTURE,
+            "kv_dtype": dtype_name(self.kv_dtype),
+            "window": a.sliding_window,
+            "compress_ratios": list(a.compress_ratios),
+            "head_dim": a.head_dim,
+            "index_head_dim": a.index_head_dim,
+        }
+
+    @classmethod
+    def from_state(cls, args: Any, state: CacheState) -> Deepseek4Cache:
+        """A new cache equal to the one `state` was saved from, for the model of `args`.
+
+        Raises:
+            CacheStateError: another version, architecture, dtype, schedule or shapes, a
+                capacity this model cannot plan, or a blob of the wrong dtype, shape or size.
+        """
+        meta = state.meta
+        kv_dtype, capacity = base.kv_dtype_of(meta), meta.get("capacity")
+        context_length = meta.get("context_length")
+        if not isinstance(capacity, int) or not isinstance(context_length, int):
+            raise base.CacheStateError("cache state has no integer capacity and context_length")
+        try:
+            cache = cls(args, plan(args, capacity, kv_dtype), context_length)
+        except Deepseek4CacheError as e:
+            raise base.CacheStateError(f"cache state does not fit this model: {e}") from e
+        base.check_layout(meta, {**cache.layout(), "context_length": cache.context_length})
+        cache.load_state(state)
+        return cache
 
     def check_chunk(self, n_tokens: int) -> None:
         """Raise before a forward pass that must not run; grow the capacity if it must.
 
         Raises:
-            Poisoned: a chunk failed earlier. ContextExhausted: past the serving context.
+            CachePoisoned: a chunk failed earlier. ContextExhausted: past the serving context.
         """
         if self._poisoned:
-            raise Poisoned("DeepSeek-V4 cache is poisoned by a partial chunk; reset and replay")
+            raise base.CachePoisoned(
+                "DeepSeek-V4 cache is poisoned by a partial chunk; reset and replay"
+            )
         end = self.position + n_tokens
         if end > self.context_length:
-            raise ContextExhausted(
+            raise base.ContextExhausted(
                 f"chunk of {n_tokens} tokens at position {self.position} exceeds the "
                 f"context length {self.context_length}"
             )
@@ -379,13 +237,13 @@ class Deepseek4Cache(base.CommittedCache):
     def commit(self, n_tokens: int) -> None:
         """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
         if self.position + n_tokens > self.capacity:
-            raise ContextExhausted(f"DeepSeek-V4 cache is full at {self.capacity} tokens")
+            raise base.ContextExhausted(f"DeepSeek-V4 cache is full at {self.capacity} tokens")
         super().commit(n_tokens)
 
     def snapshot(self) -> Deepseek4CacheSnapshot:
         """Rollback point at the current position (copies rings and compressor state)."""
         if self._poisoned:
-            raise Poisoned("cannot snapshot a poisoned DeepSeek-V4 cache")
+            raise base.CachePoisoned("cannot snapshot a poisoned DeepSeek-V4 cache")
         layers = tuple(
             {k: mx.array(getattr(layer, k)) for k in _COPIED_KINDS if getattr(layer, k) is not None}
             for layer in self.layers
@@ -416,11 +274,11 @@ class Deepseek4Cache(base.CommittedCache):
         this cache's plan (so a turn anchor survives growth), or None.
 
         Raises:
-            Poisoned, MigrationContext, MigrationLayerCount, MigrationPlanMismatch,
+            CachePoisoned, MigrationContext, MigrationLayerCount, MigrationPlanMismatch,
             MigrationSnapshotPlanMismatch, MigrationSnapshotPosition.
         """
         if source.is_poisoned:
-            raise Poisoned("cannot migrate from a poisoned DeepSeek-V4 cache")
+            raise base.CachePoisoned("cannot migrate from a poisoned DeepSeek-V4 cache")
         _validate_growth(source._plan, self._plan)
         if snapshot is not None:
             if snapshot.plan != source._plan:

@@ -1,0 +1,274 @@
+"""KV caches of standard attention layers: append-only global rows and sliding-window rings.
+
+`ModelCache` holds one per layer (Gemma 3: five sliding layers to one global) and follows
+the `model.cache.CommittedCache` contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .cache import (
+    CachePlan,
+    CachePoisoned,
+    CacheStateError,
+    CommittedCache,
+    ContextExhausted,
+    LayerSpec,
+    RingBuffer,
+    check_layout,
+    kv_dtype_of,
+    plan_cache,
+    window_mask,
+)
+from .cache_state import BufferView, CacheState, dtype_name
+
+# Global-attention buffers grow in steps of this many tokens (mlx-lm's KVCache step) when a
+# caller did not reserve the exact capacity up front.
+CAPACITY_STEP_TOKENS = 256
+
+
+class GlobalKVCache:
+    """Append-only K/V rows for a global-attention layer, shape ``(B, n_kv_heads, T, head_dim)``."""
+
+    def __init__(self, spec: LayerSpec, dtype: mx.Dtype, capacity: int = 0):
+        self.spec, self.dtype = spec, dtype
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        if capacity:
+            self._grow(capacity, 0)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, capacity: int, live: int) -> None:
+        shape = (1, self.spec.n_kv_heads, capacity, self.spec.head_dim)
+        keys, values = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+        if live:  # migrate the live prefix; rows past it are dead
+            keys[:, :, :live, :] = self.keys[:, :, :live, :]
+            values[:, :, :live, :] = self.values[:, :, :live, :]
+        self.keys, self.values = keys, values
+
+    def update(self, k: mx.array, v: mx.array, position: int) -> tuple[mx.array, mx.array, str]:
+        """Write a chunk at `position`; return all keys/values ``[0, position + L)`` and the mask.
+
+        Args:
+            k, v: ``(B, n_kv_heads, L, head_dim)``.
+        Returns:
+            keys, values of shape ``(B, n_kv_heads, position + L, head_dim)`` and the mask
+            ``"causal"`` (MLX aligns it to the last key, i.e. query i sits at position + i).
+        """
+        L = k.shape[2]
+        end = position + L
+        if end > self.capacity:
+            steps = -(-end // CAPACITY_STEP_TOKENS)
+            self._grow(steps * CAPACITY_STEP_TOKENS, position)
+        self.keys[:, :, position:end, :] = k.astype(self.dtype)
+        self.values[:, :, position:end, :] = v.astype(self.dtype)
+        return self.keys[:, :, :end, :], self.values[:, :, :end, :], "causal"
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def buffers(self, prefix: str) -> list[BufferView]:
+        """Append-only: rows ``[0, position)`` along axis 2 hold data."""
+        if self.keys is None:
+            return []
+        return [BufferView(f"{prefix}.keys", self.keys, 2, 1),
+                BufferView(f"{prefix}.values", self.values, 2, 1)]
+
+    def snapshot(self) -> None:
+        return None  # append-only: restoring the position hides later rows
+
+    def restore(self, snapshot: None) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass  # rows past position 0 are dead; nothing to clear
+
+
+class RingKVCache:
+    """The last ``window`` K/V rows of a sliding-window layer, row ``p`` at slot ``p % window``.
+
+    A chunk of L queries at position p attends to keys ``(p+i-window, p+i]`` (`window_mask`),
+    so it needs the previous ``window - 1`` rows gathered in order plus its own L rows; the
+    ring then keeps the newest ``window`` rows.
+    """
+
+    def __init__(self, spec: LayerSpec, dtype: mx.Dtype):
+        assert spec.window, "RingKVCache needs a window"
+        self.spec, self.dtype = spec, dtype
+        shape = (1, spec.n_kv_heads, spec.window, spec.head_dim)
+        self._k = RingBuffer(mx.zeros(shape, dtype), axis=2)
+        self._v = RingBuffer(mx.zeros(shape, dtype), axis=2)
+
+    @property
+    def keys(self) -> mx.array:
+        return self._k.data
+
+    @property
+    def values(self) -> mx.array:
+        return self._v.data
+
+    def update(
+        self, k: mx.array, v: mx.array, position: int
+    ) -> tuple[mx.array, mx.array, mx.array | str | None]:
+        """Attend-to keys/values for a chunk at `position`, then keep the newest rows.
+
+        Args:
+            k, v: ``(B, n_kv_heads, L, head_dim)``.
+        Returns:
+            keys, values of shape ``(B, n_kv_heads, n_prev + L, head_dim)`` with
+            ``n_prev = min(position, window - 1)``, and a boolean mask ``(L, n_prev + L)``
+            (True = attend), ``"causal"`` when the window cannot bind, or None for L == 1.
+        """
+        W, L = self.spec.window, k.shape[2]
+        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        n_prev = min(position, W - 1)
+        keys = mx.concatenate([self._k.read(position - n_prev, position), k], axis=2)
+        values = mx.concatenate([self._v.read(position - n_prev, position), v], axis=2)
+        self._k.write(k, position)
+        self._v.write(v, position)
+        if L == 1:
+            return keys, values, None
+        if n_prev + L <= W:
+            return keys, values, "causal"
+        return keys, values, window_mask(position, L, position - n_prev, n_prev + L, W)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    def buffers(self, prefix: str) -> list[BufferView]:
+        """Rings: saved whole (slot order), ring axis 2."""
+        return [BufferView(f"{prefix}.keys", self.keys, 2, None),
+                BufferView(f"{prefix}.values", self.values, 2, None)]
+
+    def snapshot(self) -> tuple[mx.array, mx.array]:
+        return mx.array(self.keys), mx.array(self.values)
+
+    def restore(self, snapshot: tuple[mx.array, mx.array]) -> None:
+        self._k.data, self._v.data = mx.array(snapshot[0]), mx.array(snapshot[1])
+
+    def reset(self) -> None:
+        self._k.data = mx.zeros_like(self.keys)
+        self._v.data = mx.zeros_like(self.values)
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    position: int
+    layers: tuple
+
+
+class ModelCache(CommittedCache):
+    """One job's KV cache: a layer cache per attention layer and the committed position.
+
+    The committed ``position`` is the prefill cursor: tokens ``[0, position)`` are in the
+    cache. Layers write at ``position`` during a forward pass; ``commit(n)`` advances it
+    once the chunk's arrays are evaluated.
+
+    Args:
+        specs: one `LayerSpec` per layer.
+        context_length: the most tokens this cache may hold.
+        kv_dtype: row dtype (float32 on CPU, bfloat16/float16 on GPU).
+        capacity: tokens to reserve in global layers now (grows on demand past it).
+        architecture: the model's name, recorded in `state` and checked by `from_state`.
+    """
+
+    def __init__(
+        self,
+        specs: list[LayerSpec],
+        context_length: int,
+        kv_dtype: mx.Dtype = mx.float32,
+        capacity: int = 0,
+        architecture: str = "",
+    ):
+        self.specs, self.context_length, self.kv_dtype = list(specs), context_length, kv_dtype
+        self.architecture = architecture
+        capacity = min(capacity, context_length)
+        self.layers = [
+            GlobalKVCache(s, kv_dtype, capacity) if s.window is None else RingKVCache(s, kv_dtype)
+            for s in self.specs
+        ]
+        self.position = 0
+        self._poisoned = False
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the global buffers hold without growing (context length if none)."""
+        caps = [layer.capacity for layer in self.layers if isinstance(layer, GlobalKVCache)]
+        return min(caps) if caps else self.context_length
+
+    def plan(self, context_length: int | None = None) -> CachePlan:
+        return plan_cache(self.specs, context_length or self.context_length, self.kv_dtype)
+
+    def check_chunk(self, n_tokens: int) -> None:
+        """Raise before a forward pass that must not run: poisoned cache or too many tokens."""
+        if self._poisoned:
+            raise CachePoisoned("cache was poisoned by a failed chunk; reset() it first")
+        if self.position + n_tokens > self.context_length:
+            raise ContextExhausted(
+                f"chunk of {n_tokens} tokens at position {self.position} exceeds the "
+                f"context length {self.context_length}"
+            )
+
+    def arrays(self) -> list[mx.array]:
+        """Every buffer, for ``mx.eval`` after a chunk."""
+        return [a for layer in self.layers for a in layer.arrays()]
+
+    def buffers(self) -> list[BufferView]:
+        return [b for i, layer in enumerate(self.layers) for b in layer.buffers(f"layers.{i}")]
+
+    def layout(self) -> dict:
+        return {
+            "cache": type(self).__name__,
+            "architecture": self.architecture,
+            "kv_dtype": dtype_name(self.kv_dtype),
+            "layers": [[s.n_kv_heads, s.head_dim, s.window] for s in self.specs],
+        }
+
+    @classmethod
+    def from_state(
+        cls, specs: list[LayerSpec], state: CacheState, architecture: str = ""
+    ) -> ModelCache:
+        """A new cache equal to the one `state` was saved from.
+
+        Args:
+            specs: the model's layer specs; the state must have been saved with them.
+            architecture: the model's name, which the state must name.
+        Raises:
+            CacheStateError: another version, architecture, dtype, layer shapes, a position
+                past the capacity, or a blob missing or of the wrong dtype, shape or size.
+        """
+        meta = state.meta
+        kv_dtype = kv_dtype_of(meta)
+        context_length = meta.get("context_length")
+        if not isinstance(context_length, int) or context_length < 1:
+            raise CacheStateError(f"cache state context_length {context_length!r} is not positive")
+        cache = cls(specs, context_length, kv_dtype, architecture=architecture)
+        check_layout(meta, cache.layout())
+        # growth allocates whole steps, so a grown capacity may pass the context by < 1 step
+        limit = -(-cache.context_length // CAPACITY_STEP_TOKENS) * CAPACITY_STEP_TOKENS
+        if not 0 <= meta["capacity"] <= max(limit, cache.context_length):
+            raise CacheStateError(f"cache state capacity {meta['capacity']} outside the context")
+        for layer in cache.layers:
+            if isinstance(layer, GlobalKVCache) and meta["capacity"]:
+                layer._grow(meta["capacity"], 0)
+        cache.load_state(state)
+        return cache
+
+    def snapshot(self) -> CacheSnapshot:
+        """Exact rollback point at the current position (copies only ring layers)."""
+        if self._poisoned:
+            raise CachePoisoned("cannot snapshot a poisoned cache")
+        return CacheSnapshot(self.position, tuple(layer.snapshot() for layer in self.layers))
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Return to `snapshot`; append-only rows past its position become dead."""
+        for layer, saved in zip(self.layers, snapshot.layers, strict=True):
+            layer.restore(saved)
+        self.position = snapshot.position
+        self._poisoned = False
