@@ -1,11 +1,11 @@
 """The ``prefillq`` command line.
 
-One entry point, one module per command group. ``run`` prefills one prompt, by default on an embedded queue (an in-process fakeredis
-server) with an in-process worker (`worker.cli.run`); ``worker`` serves a real Redis
-(`worker.cli.work`); ``plan`` prints a model's cache plan (`worker.cli.plan`); ``submit``,
-``status``, ``cancel``, ``result`` and ``reap`` are the client's (`jobs.cli`: they import
-nothing from MLX). With ``--json`` the last stdout line is one JSON object. Errors exit
-non-zero with a one-line message on stderr.
+One entry point, one module per command group: ``run`` prefills one prompt, by default on an
+embedded queue (an in-process fakeredis server) with an in-process worker
+(`worker.cli.run`); ``worker`` serves a real Redis (`worker.cli.work`); ``plan`` prints a
+model's cache plan (`worker.cli.plan`); ``submit``, ``status``, ``cancel``, ``result`` and
+``reap`` are the client's (`jobs.cli`: they import nothing from MLX). With ``--json`` the
+last stdout line is one JSON object. Errors exit non-zero with a one-line message on stderr.
 """
 
 from __future__ import annotations

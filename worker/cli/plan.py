@@ -32,13 +32,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.model}: {plan.n_layers} layers, context {plan.context_length} tokens, "
           f"{args.kv_dtype} KV rows")
-    for i, layer in enumerate(plan.layers):
-        buffers = getattr(layer, "buffers", None)
-        detail = (", ".join(f"{b.kind} {list(b.shape)}" for b in buffers) if buffers
-                  else f"{layer.kind} {layer.rows} rows x {layer.row_bytes} B")
-        ratio = getattr(layer, "compress_ratio", None)
-        label = f"layer {i:>2}" + (f" (ratio {ratio})" if ratio is not None else "")
-        print(f"  {label}: {detail}")
+    for line in plan.describe_layers():
+        print(f"  {line}")
     print(f"bytes/token {plan.bytes_per_token}, fixed {plan.fixed_bytes:,} B, "
           f"resident {plan.resident_bytes:,} B ({plan.resident_bytes / 2**30:.3f} GiB)")
     return 0
