@@ -109,7 +109,7 @@ class _Directions:
     key: np.ndarray
 
 
-def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
+def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the tiny byte-level BPE vocabulary."""
     byte_chars = bytes_to_unicode()
     tokens = [DEEPSEEK4_BOS, DEEPSEEK4_EOS] + [byte_chars[b] for b in sorted(byte_chars)]
@@ -123,6 +123,7 @@ def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def _add_metadata(writer: GGUFWriter, config: dict) -> None:
+    """Write `config` as ``deepseek4.*`` keys (lists as uint32 arrays, floats as float32)."""
     for name, value in config.items():
         key = f"deepseek4.{name}"
         if isinstance(value, bool):
@@ -139,7 +140,7 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
 
 def _add_tokenizer(writer: GGUFWriter) -> int:
     """Write the vocabulary, merges and special ids; returns the vocabulary size."""
-    tokens, types, merges = bpe_vocab()
+    tokens, types, merges = _bpe_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("deepseek-v3")
     writer.add_token_list(tokens)
