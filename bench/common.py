@@ -101,13 +101,13 @@ def load_or_exit(parser: argparse.ArgumentParser, name: str):
     """`model.registry.load_model(name)`, after checking ``$PREFILLQ_CPU_STREAMS``; a bad
     name or setting ends the run with one line (``parser.error``, exit status 2) instead of
     a traceback."""
-    from model.registry import UnknownModel, load_model
+    from model.registry import ModelNotFound, load_model
     from model.runtime.streams import cpu_streams
 
     try:
         cpu_streams()
         return load_model(name)
-    except (UnknownModel, ValueError) as e:
+    except (ModelNotFound, ValueError) as e:
         parser.error(str(e.args[0]) if e.args else str(e))
 
 

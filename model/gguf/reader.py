@@ -134,14 +134,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file: parse metadata and the tensor index (tensor data is memory-mapped).
 
     Raises:
-        GGUFError: the file is missing or not a GGUF file.
+        GGUFError: the file is missing, truncated, or not a GGUF file.
     """
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}")
     try:
         reader = _Reader(path)
-    except (ValueError, OSError) as e:
+    except (ValueError, IndexError, OSError) as e:  # IndexError: a truncated file
         raise GGUFError(f"{path.name}: not a readable GGUF file: {e}") from e
     metadata = {name: _field_value(f) for name, f in reader.fields.items()}
     types = {t.name: t.tensor_type.name for t in reader.tensors}

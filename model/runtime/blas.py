@@ -1,7 +1,7 @@
 """An optimized BLAS under MLX on a Linux CPU.
 
 The ``mlx-cpu`` wheel bundles the netlib reference BLAS: float32 GEMM at ~3 GFLOP/s where
-OpenBLAS reaches 80-140 on the same 2 cores, so prefill is ~45x slower (shared/CPU.md).
+OpenBLAS reaches 80-140 on the same 2-core x86-64 VM, so prefill is ~45x slower.
 Preloading a BLAS that exports the CBLAS symbols overrides it; the loader only honours
 ``LD_PRELOAD`` at process start, so the entry point re-executes itself once with it set.
 macOS (Accelerate, Metal) needs nothing.

