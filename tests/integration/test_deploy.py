@@ -29,3 +29,18 @@ def test_dockerfile_preloads_openblas_and_installs_the_worker():
     assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3" in text
     assert '".[worker]"' in text
     assert 'ENTRYPOINT ["prefillq"]' in text
+
+
+def test_every_package_ships_in_a_non_editable_install():
+    """A Docker build installs the wheel, not the checkout: every sub-package must be in it."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    shipped = set(find_packages(where=ROOT, include=include))
+    on_disk = {str(p.parent.relative_to(ROOT)).replace("/", ".")
+               for top in ("jobs", "worker", "model", "bench")
+               for p in (ROOT / top).rglob("__init__.py")}
+    assert on_disk <= shipped, on_disk - shipped
