@@ -19,6 +19,8 @@ from jobs.schema import now
 from jobs.serializer import packb
 from model.registry import LoadedModel
 
+from .connection import refused_write
+
 log = logging.getLogger("prefillq.worker")
 
 
@@ -90,5 +92,6 @@ class Heartbeat:
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + self.ttl_s
                     reap(self.connection, result_ttl_s=self.result_ttl_s)
-            except Exception:  # a Redis outage must not kill the beat thread
-                log.warning("heartbeat or reap failed; retrying", exc_info=True)
+            except Exception as error:  # a Redis outage must not kill the beat thread
+                log.warning("heartbeat or reap failed (%s); retrying", error,
+                            exc_info=not refused_write(error))

@@ -18,7 +18,7 @@ from worker.worker import PrefillWorker
 
 MODEL = "gemma3-270m"
 CHUNK_TOKENS = 128
-TOL = 1e-3  # DESIGN §8: max |diff| <= 1e-3 x max |logit|
+TOL = 1e-3  # the exactness contract: max |diff| <= 1e-3 x max |logit|
 
 
 def long_ids(reference_cases, n: int, offset: int = 0) -> list[int]:
@@ -211,3 +211,4 @@ def test_deepseek4_tiny_runs_through_the_queue_like_gemma(redis_conn, caplog):
     status_b = client.status(job_b)
     assert status_b.state == JobState.FINISHED and status_b.chunks_done > 1
     assert len(client.result(job_b, timeout=0).top_k) == 3
+
