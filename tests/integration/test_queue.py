@@ -211,4 +211,3 @@ def test_deepseek4_tiny_runs_through_the_queue_like_gemma(redis_conn, caplog):
     status_b = client.status(job_b)
     assert status_b.state == JobState.FINISHED and status_b.chunks_done > 1
     assert len(client.result(job_b, timeout=0).top_k) == 3
-
