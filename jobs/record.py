@@ -116,6 +116,15 @@ class JobRecord:
         )
 
 
+def encode_field(name: str, value: Any) -> str | int | float | bytes:
+    """`value` of field `name` as HSET (or a script's ARGV) takes it.
+
+    Raises:
+        KeyError: no such field.
+    """
+    return _CODECS[name][0](value)
+
+
 def _text(blob: bytes) -> str:
     return blob.decode()
 

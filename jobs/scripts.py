@@ -33,7 +33,8 @@ end
 
 # A worker takes a queued job: state queued -> prefilling, attempts += 1.
 # KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
-# start, so a start retried after a lost reply finds its own start instead of a stranger's.
+# start, so a start retried after a lost reply finds its own start instead of a stranger's;
+# ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only.
 START = """
 local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
                                                  'attempts'))
@@ -44,6 +45,7 @@ redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 
            'chunks_done', 0, 'started_at', ARGV[2], 'updated_at', ARGV[2], 'start_token', ARGV[3],
            'cancel_requested', 0)
 redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
+if ARGV[4] and ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'chunk_plan', ARGV[4]) end
 redis.call('PUBLISH', KEYS[2], 'prefilling')
 return {'started', attempts}
 """

@@ -1,11 +1,15 @@
-"""Chunk planning for cold prefill, ported from hf2q (seeds 000 and 002).
+"""Chunk planning for prefill: a plan is a pure function of (prompt length, chunk size,
+window, cursor), so a job planned once can be continued at the same boundaries anywhere.
 
-All sizes are in tokens. The default chunk is window-aligned: ``DEFAULT_CHUNK_TOKENS`` is 16
+The window-aligned sizing rules (`matrix_prefill_chunk_len`,
+`balance_fresh_three_chunk_prefill`) are ports of hf2q's functions of the same names. All
+sizes are in tokens. The default chunk is window-aligned: ``DEFAULT_CHUNK_TOKENS`` is 16
 DeepSeek-V4 windows of 128 and 4 Gemma 3 windows of 512.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -27,7 +31,7 @@ def matrix_prefill_chunk_len(
 
     Returns 0 when nothing should run as a matrix chunk: nothing remains, a zero window or
     multiplier, or a cached prefix followed by fewer than ``MIN_MATRIX_APPEND_TOKENS``
-    (hf2q replays those one token at a time; seeds 002 ``matrix_prefill_chunk_len``).
+    (hf2q replays those one token at a time).
     """
     if remaining <= 0 or sliding_window <= 0 or window_multiplier <= 0:
         return 0
@@ -42,9 +46,8 @@ def balance_fresh_three_chunk_prefill(
     """Windows per chunk, balancing a fresh prompt of two to three default chunks into three.
 
     A prompt just over two default chunks would otherwise end in a small third chunk; three
-    equal window-aligned chunks cost the same passes with no ragged tail (seeds 000
-    ``balance_fresh_three_chunk_prefill``). Outside that band, or with a warm cache, the
-    default is kept.
+    equal window-aligned chunks cost the same passes with no ragged tail. Outside that band,
+    or with a warm cache, the default is kept.
     """
     if cache_position != 0 or sliding_window <= 0 or default_windows <= 0:
         return default_windows
@@ -62,22 +65,24 @@ def recovery_position(n_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """The chunk sizes of one cold prefill.
+    """The chunk sizes of one prefill from `start` to `n_tokens`.
 
     Attributes:
         n_tokens: prompt length in tokens.
-        chunk_sizes: tokens per forward pass, in order; they sum to ``n_tokens``.
+        chunk_sizes: tokens per forward pass, in order; they sum to ``n_tokens - start``.
         recovery_position: ``n_tokens - 8`` clamped at 0 (a boundary only with ``anchor``).
+        start: the cache position the plan starts from (0 for a cold prefill).
     """
 
     n_tokens: int
     chunk_sizes: tuple[int, ...]
     recovery_position: int
+    start: int = 0
 
     @property
     def boundaries(self) -> tuple[int, ...]:
         """Cache positions after each chunk; the last is ``n_tokens``."""
-        out, total = [], 0
+        out, total = [], self.start
         for size in self.chunk_sizes:
             total += size
             out.append(total)
@@ -89,12 +94,35 @@ class ChunkPlan:
         Raises:
             ValueError: `cursor` is not a chunk boundary of this plan, or the prefill is done.
         """
-        start = 0
+        start = self.start
         for end in self.boundaries:
             if start == cursor:
                 return start, end
             start = end
         raise ValueError(f"cursor {cursor} is not a pending chunk boundary of {self}")
+
+    @classmethod
+    def from_boundaries(
+        cls, n_tokens: int, boundaries: Sequence[int], *, start: int = 0
+    ) -> ChunkPlan:
+        """The plan whose chunks end at `boundaries` (as recorded from `boundaries`).
+
+        Raises:
+            ValueError: `boundaries` is empty, not strictly increasing from `start`, or does
+                not end at `n_tokens`.
+        """
+        ends = [int(b) for b in boundaries]
+        if not ends or ends[-1] != n_tokens:
+            raise ValueError(f"chunk boundaries {ends} do not end at the prompt's {n_tokens} "
+                             "tokens")
+        sizes, previous = [], start
+        for end in ends:
+            if end <= previous:
+                raise ValueError(f"chunk boundaries {ends} are not increasing from {start}")
+            sizes.append(end - previous)
+            previous = end
+        return cls(n_tokens=n_tokens, chunk_sizes=tuple(sizes),
+                   recovery_position=recovery_position(n_tokens), start=start)
 
 
 def plan_chunks(
@@ -104,37 +132,46 @@ def plan_chunks(
     chunk_tokens: int | None = None,
     default_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     anchor: bool = False,
+    cursor: int = 0,
 ) -> ChunkPlan:
-    """Plan a cold prefill of `n_tokens` tokens.
+    """Plan a prefill of `n_tokens` tokens from cache position `cursor`.
+
+    Chunks of one size end at multiples of it counted from `cursor`; the last one is cut at
+    `n_tokens`.
 
     Args:
         n_tokens: prompt length (>= 1).
         sliding_window: the model's native window in tokens (Gemma 3: 512; DeepSeek-V4: 128).
         chunk_tokens: an exact chunk size (any N >= 1, aligned or not); turns balancing off.
-            N >= n_tokens means one forward pass.
+            N >= n_tokens - cursor means one forward pass.
         default_chunk_tokens: the window-aligned default used when `chunk_tokens` is None.
-        anchor: also end a chunk at ``recovery_position`` (jobs that belong to a session).
+        anchor: also end a chunk at ``recovery_position`` (jobs that belong to a session),
+            when it lies after `cursor`.
+        cursor: tokens already in the cache (0 for a cold prefill); ``0 <= cursor < n_tokens``.
 
     Raises:
-        ValueError: `n_tokens` < 1 or `chunk_tokens` < 1.
+        ValueError: `n_tokens` < 1, `chunk_tokens` < 1, or `cursor` outside ``[0, n_tokens)``.
     """
     if n_tokens < 1:
         raise ValueError(f"cannot plan a prefill of {n_tokens} tokens")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if not 0 <= cursor < n_tokens:
+        raise ValueError(f"cursor {cursor} is outside [0, {n_tokens})")
     anchor_at = recovery_position(n_tokens)
     if chunk_tokens is not None:
         size = chunk_tokens
     else:
         window = max(1, sliding_window)
         default_windows = max(1, default_chunk_tokens // window)
-        windows = balance_fresh_three_chunk_prefill(0, n_tokens, window, default_windows)
+        windows = balance_fresh_three_chunk_prefill(cursor, n_tokens, window, default_windows)
         size = window * windows
-    stops = {min(n_tokens, end) for end in range(size, n_tokens + size, size)}
-    if anchor and 0 < anchor_at < n_tokens:
+    stops = {min(n_tokens, end) for end in range(cursor + size, n_tokens + size, size)}
+    if anchor and cursor < anchor_at < n_tokens:
         stops.add(anchor_at)
-    sizes, start = [], 0
+    sizes, start = [], cursor
     for end in sorted(stops):
         sizes.append(end - start)
         start = end
-    return ChunkPlan(n_tokens=n_tokens, chunk_sizes=tuple(sizes), recovery_position=anchor_at)
+    return ChunkPlan(n_tokens=n_tokens, chunk_sizes=tuple(sizes), recovery_position=anchor_at,
+                     start=cursor)

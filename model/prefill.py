@@ -19,22 +19,6 @@ from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
 
 
-class PrefillError(ValueError):
-    """Base class of deterministic input errors: retrying the job cannot help."""
-
-
-class PromptTooLong(PrefillError):
-    """The prompt has more tokens than the serving context."""
-
-
-class EmptyPrompt(PrefillError):
-    """The prompt has no tokens."""
-
-
-class TokenOutOfRange(PrefillError):
-    """A token id is outside the model's vocabulary."""
-
-
 class PrefillModel(Protocol):
     """What an architecture module's ``Model`` provides to the prefill loop."""
 
@@ -164,27 +148,34 @@ def start_prefill(
     context_length: int,
     chunk_tokens: int | None = None,
     kv_dtype: mx.Dtype = mx.float32,
+    plan: ChunkPlan | None = None,
 ) -> Prefill:
-    """Validate `token_ids`, plan the chunks and allocate the cache for them.
+    """Plan the chunks of a cold prefill of `token_ids` and allocate its cache.
+
+    Callers validate a prompt first (``jobs.requests.check_token_ids`` raises the typed
+    errors a client sees); this function only guards its own preconditions.
 
     Args:
         token_ids: the prompt, BOS included when the model wants one.
         vocab_size: ids must be in ``[0, vocab_size)``.
-        context_length: serving context in tokens; longer prompts are rejected.
+        context_length: serving context in tokens; the prompt must fit in it.
         chunk_tokens: exact chunk size, or None for the window-aligned default.
+        plan: chunks decided earlier (e.g. recorded on a job); overrides `chunk_tokens`.
+            It must start at 0 and end at ``len(token_ids)``.
     Raises:
-        EmptyPrompt, TokenOutOfRange, PromptTooLong: input errors (not worth a retry).
+        ValueError: no ids, an id outside the vocabulary, more ids than `context_length`,
+            or a `plan` for another prompt length or start.
     """
     ids = [int(t) for t in token_ids]
-    if not ids:
-        raise EmptyPrompt("the prompt has no tokens")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise TokenOutOfRange(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) > context_length:
-        raise PromptTooLong(
-            f"prompt has {len(ids)} tokens, more than the serving context of {context_length}"
-        )
-    plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens)
+    if not ids or len(ids) > context_length:
+        raise ValueError(f"a prompt of {len(ids)} tokens does not fit a context of "
+                         f"{context_length}")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+    if plan is None:
+        plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens)
+    elif plan.n_tokens != len(ids) or plan.start != 0 or plan.boundaries[-1] != len(ids):
+        raise ValueError(f"a plan for {plan.n_tokens} tokens from {plan.start} does not fit a "
+                         f"cold prefill of {len(ids)} tokens")
     cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
     return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)

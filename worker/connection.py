@@ -1,21 +1,155 @@
-"""The worker's Redis connection and its retry policy."""
+"""The worker's Redis connection: ride out outages while serving, give up on shutdown.
+
+A serving worker retries every command that fails on the connection (capped exponential
+backoff, forever), so it survives a Redis restart with its KV caches intact. Once it is
+asked to stop (`give_up_after`), a command still failing at the deadline raises instead, so
+a worker whose Redis is gone can exit. The retry hook is redis-py's `redis.retry.Retry`
+(https://redis.readthedocs.io/en/stable/retry.html).
+
+Writes that Redis refuses (``maxmemory`` under ``noeviction``, a value over its size limit)
+are not connection errors: `refused_write` recognizes them so callers can fail or retry the
+one job instead of the worker.
+"""
 
 from __future__ import annotations
 
+import time
+
 from redis import Redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, OutOfMemoryError, ResponseError, TimeoutError
 from redis.retry import Retry
 
 from jobs.client import redis_url
 
+# Backoff between attempts while serving: 0.1 s doubling, at most 10 s.
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 10.0
+# Backoff sleeps in steps of at most this, so a stop request is noticed quickly.
+PAUSE_STEP_S = 0.25
+# A connect that takes longer than this counts as a failed attempt.
+CONNECT_TIMEOUT_S = 5.0
+
+
+class RedisUnreachable(OSError):
+    """Redis stayed unreachable past the shutdown deadline; the worker exits without
+    finishing its shutdown (the message says what was left undone)."""
+
+
+class Deadline:
+    """When retries stop: never until `set`, then at a monotonic time. Shared by every copy
+    of the `ShutdownRetry` that holds it (redis-py deep-copies the retry per connection)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.seconds: float = 0.0
+        self.expired_once = False  # a command failed for good after the deadline
+
+    def set(self, seconds: float) -> None:
+        """Stop retrying `seconds` from now (the first call wins)."""
+        if self.at is None:
+            self.seconds = seconds
+            self.at = time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        """Seconds until the deadline (<= 0 once past), or None when none is set."""
+        return None if self.at is None else self.at - time.monotonic()
+
+    def __deepcopy__(self, memo) -> Deadline:
+        return self
+
+
+class ShutdownRetry(Retry):
+    """`Retry` with capped exponential backoff that retries forever until its deadline is
+    set, then until the deadline only."""
+
+    def __init__(self, deadline: Deadline | None = None):
+        super().__init__(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=-1,
+                         supported_errors=(ConnectionError, TimeoutError))
+        self.deadline = deadline or Deadline()
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        """Call `do` until it returns; on a supported error call `fail`, back off, retry.
+
+        Raises:
+            ConnectionError, TimeoutError: the error of the last attempt, once the deadline
+                has passed. Any other error of `do` at once.
+        """
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                left = self.deadline.left()
+                if left is not None and left <= 0:
+                    self.deadline.expired_once = True
+                    raise
+                self._pause(self._backoff.compute(failures))
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, in short steps so a deadline set meanwhile cuts it short."""
+        end = time.monotonic() + seconds
+        while (now := time.monotonic()) < end:
+            left = self.deadline.left()
+            if left is not None and left <= 0:
+                return
+            time.sleep(min(end - now, PAUSE_STEP_S, *(() if left is None else (left,))))
+
 
 def worker_connection(url: str | None) -> Redis:
-    """A Redis connection that rides out outages: every command is retried with capped
-    exponential backoff instead of raising, so the worker survives a Redis restart."""
+    """A Redis connection (bytes replies) that retries failed commands (`ShutdownRetry`).
+
+    Args:
+        url: Redis URL, or None for `jobs.client.redis_url`'s default.
+    """
     return Redis.from_url(
         redis_url(url),
-        retry=Retry(ExponentialBackoff(cap=10.0, base=0.1), retries=-1),
+        retry=ShutdownRetry(),
         retry_on_error=[ConnectionError, TimeoutError],
         health_check_interval=30,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
     )
+
+
+def _deadline(connection) -> Deadline | None:
+    get_retry = getattr(connection, "get_retry", None)
+    retry = get_retry() if get_retry is not None else None
+    return retry.deadline if isinstance(retry, ShutdownRetry) else None
+
+
+def give_up_after(connection, seconds: float) -> None:
+    """Let `connection`'s commands fail once Redis has been unreachable `seconds` from now.
+
+    A no-op for connections without a `ShutdownRetry` (they do not retry forever).
+    """
+    deadline = _deadline(connection)
+    if deadline is not None:
+        deadline.set(seconds)
+
+
+def gave_up(connection) -> float | None:
+    """The deadline in seconds if a command on `connection` failed past it, else None."""
+    deadline = _deadline(connection)
+    if deadline is None or not deadline.expired_once:
+        return None
+    return deadline.seconds
+
+
+def refused_write(error: BaseException) -> bool:
+    """Whether `error` is Redis refusing a write it received: out of memory under
+    ``maxmemory`` (also inside a script or a MULTI) or a value over its size limit."""
+    if isinstance(error, OutOfMemoryError):
+        return True
+    if not isinstance(error, ResponseError):
+        return False
+    text = str(error)
+    return (text.startswith("OOM") or "OOM command not allowed" in text
+            or "maximum allowed size" in text or "too large" in text)

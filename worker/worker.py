@@ -1,64 +1,53 @@
 """`PrefillWorker`: an RQ SimpleWorker that advances prefill jobs one bounded chunk at a time.
 
-The model and every admitted job's KV cache live in this process across RQ executions.
-One execution of ``worker.tasks.advance_prefill(job_id)`` (DESIGN.md §4):
+The model and every admitted job's KV cache live in this process across RQ executions, so
+the worker runs jobs in its own process (RQ's `SimpleWorker`,
+https://python-rq.org/docs/workers/). This module holds the RQ hooks only: which queues are
+read (`worker.admission`), which job function may run (`jobs.queues.CHUNK_FUNCTION`), start
+and shutdown. The chunk step and its transitions are in `worker.step`, liveness in
+`worker.heartbeat`, the Redis retry policy in `worker.connection`.
 
-1. a canceled job is stopped (cache dropped, ``canceled`` recorded) before any compute;
-2. on its first execution here the job is started (atomically ``queued -> prefilling``),
-   tokenized, validated and planned, and its cache allocated;
-3. the next chunk runs and its cache state is evaluated;
-4. cursor and chunk count are recorded unless the job was canceled or taken from us;
-5. after the last chunk the final logits and ``finished`` are published in one script;
-   otherwise the continuation is enqueued on this worker's sticky queue in the same MULTI
-   as step 4, so the cache holder is the only one that continues it.
-
-Admission: while fewer than ``max_active`` jobs are resident the intake queues are read
-before the sticky queue, so a new job waits at most for the chunk in progress; admitted
-jobs then advance round-robin (the sticky queue is FIFO).
+A warm shutdown (SIGTERM or SIGINT, RQ's ``request_stop``) hands every resident job back to
+intake. When Redis stays unreachable for ``heartbeat_ttl_s`` after the signal, `work` raises
+`worker.connection.RedisUnreachable` instead (the reaper requeues what was not handed back).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
-import numpy as np
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 
-from jobs import keys
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
     DEFAULT_RESULT_TTL_S,
-    MAX_ERROR_CHARS,
 )
-from jobs.queues import (
-    CHUNK_FUNCTION,
-    enqueue_chunk,
-    intake_priorities,
-    intake_queue,
-    requeue_to_intake,
-    sticky_queue,
-)
-from jobs.reaper import reap
-from jobs.record import JobRecord
-from jobs.schema import LogitsMode, now
-from jobs.scripts import Scripts
-from jobs.serializer import MsgpackSerializer, packb
-from model.prefill import Prefill, PrefillError, top_k
+from jobs.queues import CHUNK_FUNCTION, intake_queue, sticky_queue
+from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
-from model.tokenizer import TokenizerError
+
+from .admission import Admission
+from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
+from .heartbeat import Heartbeat
+from .step import ActiveJob, Stepper
 
 log = logging.getLogger("prefillq.worker")
 
+__all__ = ["DEFAULT_MAX_ACTIVE", "ActiveJob", "PrefillWorker", "current_worker"]
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 
 class NoDeathPenalty(BaseDeathPenalty):
@@ -70,28 +59,6 @@ class NoDeathPenalty(BaseDeathPenalty):
 
     def cancel_death_penalty(self) -> None:
         pass
-
-
-@dataclass
-class ActiveJob:
-    """A job whose KV cache this worker holds."""
-
-    job_id: str
-    attempt: int
-    max_attempts: int
-    model: LoadedModel
-    prefill: Prefill
-    top_k: int
-    logits_mode: LogitsMode
-    enqueued_at: float
-    first_started_at: float
-    started_at: float
-
-    @property
-    def keys(self) -> list[str]:
-        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits."""
-        j = self.job_id
-        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j)]
 
 
 _current = threading.local()
@@ -109,14 +76,26 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _unless_refused(what: str, call, *args, **kwargs) -> None:
+    """Call `call`; log instead of raising when Redis refuses its write (maxmemory)."""
+    try:
+        call(*args, **kwargs)
+    except Exception as error:
+        if not refused_write(error):
+            raise
+        log.warning("Redis refused %s: %s", what, error)
+
+
 class PrefillWorker(SimpleWorker):
     """Serves the models in `models` from their intake queues.
 
     Args:
         models: loaded models by registry name.
-        connection: Redis connection (bytes responses).
+        connection: Redis connection (bytes responses); `worker.connection.worker_connection`
+            gives one that rides out outages.
         name: worker name (also names its sticky queue); default host-pid-random.
-        chunk_tokens: cap on chunk size in tokens (a job's own cap may be smaller).
+        chunk_tokens: cap on chunk size in tokens when this worker plans a job (a job's own
+            cap may be smaller; a job planned before keeps its recorded plan).
         max_active: jobs resident at once.
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
@@ -142,107 +121,58 @@ class PrefillWorker(SimpleWorker):
             raise ValueError("a worker needs at least one model")
         name = name or default_worker_name()
         self.models = models
-        self.chunk_tokens = chunk_tokens
-        self.max_active = max(1, max_active)
-        self.kv_budget_bytes = kv_budget_bytes
-        self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
         self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
-        self.intake = [intake_queue(connection, m) for m in models]
         self.sticky = sticky_queue(connection, name)
-        super().__init__(
-            [self.sticky, *self.intake],
-            connection=connection,
-            name=name,
-            serializer=MsgpackSerializer,
-        )
-        self.active: dict[str, ActiveJob] = {}
-        self._room_needed = False  # a job waits for KV room: admit nothing until one leaves
-        self.scripts = Scripts(connection)
-        self._heartbeat_stop = threading.Event()
-        self._heartbeat_thread: threading.Thread | None = None
+        intake = [intake_queue(connection, m) for m in models]
+        super().__init__([self.sticky, *intake], connection=connection, name=name,
+                         serializer=MsgpackSerializer)
+        self.admission = Admission(connection, list(models), {}, max_active=max_active,
+                                   kv_budget_bytes=kv_budget_bytes)
+        self.stepper = Stepper(connection, name, models, self.sticky, self.admission,
+                               chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
+                               logits_ttl_s=logits_ttl_s)
+        self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
+                                  result_ttl_s=result_ttl_s, on_beat=self.stepper.settle)
+        self._stop_signal = "SIGTERM"
 
-    # -- registration and liveness ----------------------------------------------------
+    @property
+    def active(self) -> dict[str, ActiveJob]:
+        """The jobs whose KV caches this worker holds, by job id."""
+        return self.stepper.active
 
     def register_models(self) -> None:
         """Advertise this worker's models (vocab, context) so clients can validate submits."""
-        for name, loaded in self.models.items():
-            info = {
-                "vocab_size": loaded.vocab_size,
-                "context_length": loaded.context_length,
-                "architecture": loaded.architecture,
-                "sha256": loaded.sha256,
-            }
-            self.connection.hset(keys.MODELS, name, packb(info))
-        self.connection.sadd(keys.WORKERS, self.name)
-        self._beat()
+        self.liveness.register_models()
 
-    def _beat(self) -> None:
-        self.connection.set(keys.worker_heartbeat(self.name), now(), ex=self.heartbeat_ttl_s)
+    def advance(self, job_id: str) -> None:
+        """Run one chunk of `job_id` (the body of ``advance_prefill``)."""
+        self.stepper.advance(job_id)
 
-    def _heartbeat_loop(self) -> None:
-        # The key outlives several missed beats (refreshed every ttl/6 from this thread, so a
-        # long chunk never delays it); dead workers are looked for once per ttl.
-        interval = self.heartbeat_ttl_s / 6
-        next_reap = time.monotonic() + self.heartbeat_ttl_s
-        while not self._heartbeat_stop.wait(interval):
-            try:
-                self.register_models()  # idempotent; restores a Redis that lost its data
-                if time.monotonic() >= next_reap:
-                    next_reap = time.monotonic() + self.heartbeat_ttl_s
-                    reap(self.connection, result_ttl_s=self.result_ttl_s)
-            except Exception:  # a Redis outage must not kill the beat thread
-                log.warning("heartbeat or reap failed; retrying", exc_info=True)
+    def hand_back_active(self) -> None:
+        """Requeue every resident job to intake (warm shutdown)."""
+        self.stepper.hand_back_active()
+
+    # -- RQ hooks -----------------------------------------------------------------------
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
         self.register_models()
-        self._heartbeat_stop.clear()
-        self._heartbeat_thread = threading.Thread(
-            target=self._heartbeat_loop, name="prefillq-heartbeat", daemon=True
-        )
-        self._heartbeat_thread.start()
-
-    def teardown(self) -> None:
-        self.hand_back_active()
-        try:  # continuations of handed-back jobs: nobody holds their caches any more
-            self.sticky.delete(delete_jobs=True)
-        except Exception:
-            log.warning("could not delete sticky queue %s", self.sticky.name, exc_info=True)
-        self._heartbeat_stop.set()
-        try:
-            self.connection.delete(keys.worker_heartbeat(self.name))
-            self.connection.srem(keys.WORKERS, self.name)
-        except Exception:
-            log.warning("could not deregister %s", self.name, exc_info=True)
-        super().teardown()
-
-    # -- admission ----------------------------------------------------------------------
-
-    @property
-    def resident_kv_bytes(self) -> int:
-        return sum(a.prefill.cache.nbytes for a in self.active.values())
-
-    def admitting(self) -> bool:
-        if len(self.active) >= self.max_active or self._room_needed:
-            return False
-        return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
-
-    def intake_by_priority(self) -> list[Queue]:
-        """Every intake queue of every served model, highest priority first."""
-        levels = sorted(
-            ((p, m) for m in self.models for p in intake_priorities(self.connection, m)),
-            key=lambda level: -level[0],
-        )
-        return [intake_queue(self.connection, m, p) for p, m in levels]
+        self.liveness.start()
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         # New jobs first while there is room (a short job waits at most one chunk), else
-        # only continuations, which the sticky queue serves round-robin.
-        if self.admitting():
-            self._ordered_queues = [*self.intake_by_priority(), self.sticky]
-        else:
-            self._ordered_queues = [self.sticky]
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        # only continuations, which the sticky queue serves round-robin. While Redis refuses
+        # RQ's own writes (maxmemory), wait for room instead of quitting.
+        while True:
+            self.stepper.settle()
+            self._ordered_queues = self.admission.queues(self.sticky)
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as error:
+                if not refused_write(error):
+                    raise
+                log.warning("Redis refused a write while dequeuing (%s); waiting", error)
+                time.sleep(self.heartbeat_ttl_s / 6)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
@@ -256,223 +186,70 @@ class PrefillWorker(SimpleWorker):
         _current.worker = self
         try:
             super().execute_job(job, queue)
+        except Exception as error:  # RQ's bookkeeping of the execution, not the job's step
+            if not refused_write(error):
+                raise
+            log.warning("Redis refused RQ's bookkeeping of %s: %s", job.id, error)
         finally:
             _current.worker = None
 
-    # -- the chunk step ---------------------------------------------------------------
+    # RQ's own liveness and housekeeping writes: one Redis refuses is skipped this turn
+    def heartbeat(self, *args, **kwargs):
+        _unless_refused("RQ's worker heartbeat", super().heartbeat, *args, **kwargs)
 
-    def advance(self, job_id: str) -> None:
-        """Run one chunk of `job_id` (the body of ``advance_prefill``)."""
-        active = self.active.get(job_id) or self._start(job_id)
-        if active is None:
-            return
-        if self.connection.exists(keys.cancel(job_id)):
-            self._checkpoint(active, enqueue=False)  # records `canceled`
-            return
-        t0 = time.perf_counter()
+    def run_maintenance_tasks(self):
+        _unless_refused("RQ's maintenance", super().run_maintenance_tasks)
+
+    def check_for_suspension(self, burst: bool):
+        _unless_refused("RQ's suspension check", super().check_for_suspension, burst)
+
+    def request_stop(self, signum, frame):
+        # From now on a Redis that stays unreachable for one heartbeat TTL ends the worker.
+        give_up_after(self.connection, self.heartbeat_ttl_s)
+        self._stop_signal = signal.Signals(signum).name
         try:
-            n = active.prefill.step()
-        except Exception as error:  # the job's boundary: record it, keep serving
-            self._chunk_failed(active, error)
-            return
-        dt = time.perf_counter() - t0
-        p = active.prefill
-        log.info(
-            "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
-            job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
-        )
-        if p.done:
-            self._publish(active)
-        else:
-            self._checkpoint(active, enqueue=True)
-        self._stop_canceled()
+            super().request_stop(signum, frame)
+        except REDIS_ERRORS:  # RQ could not record the request: stop after this execution
+            self._stop_requested = True
 
-    def _stop_canceled(self) -> None:
-        """Stop every other resident job with a pending cancel now, not at its next turn:
-        its KV cache is released within one chunk time of the cancel."""
-        waiting = list(self.active.values())
-        if not waiting:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for active in waiting:
-                pipe.exists(keys.cancel(active.job_id))
-            flags = pipe.execute()
-        for active, flagged in zip(waiting, flags, strict=True):
-            if flagged:
-                self._checkpoint(active, enqueue=False)  # records `canceled`, drops it
-
-    def _start(self, job_id: str) -> ActiveJob | None:
-        """First execution of a job here: tokenize, plan, check the KV budget, then take it
-        (``queued -> prefilling``). Returns None when the job is not ours to run."""
-        raw = self.connection.hgetall(keys.job(job_id))
-        if not raw:
-            log.warning("job %s has no record (expired?); skipping", job_id)
-            return None
-        record = JobRecord.from_hash(job_id, raw)
-        loaded = self.models.get(record.model)
-        if loaded is None:
-            log.error("job %s wants model %s, not served here", job_id, record.model)
-            return None
-        prefill, error = None, None
+    def teardown(self) -> None:
+        self.hand_back_active()
+        self.stepper.settle()
+        try:  # continuations of handed-back jobs: nobody holds their caches any more
+            self.sticky.delete(delete_jobs=True)
+        except Exception:
+            log.warning("could not delete sticky queue %s", self.sticky.name, exc_info=True)
+        self.liveness.stop()
         try:
-            prefill = loaded.start_prefill(self._token_ids(loaded, record),
-                                           self._chunk_tokens(record))
-        except (PrefillError, TokenizerError) as e:
-            error = (type(e).__name__, str(e))
-        except Exception as e:
-            log.exception("job %s: could not start", job_id)
-            error = ("ModelError", f"{type(e).__name__}: {e}")
-        if prefill is not None and not self._fits_kv_budget(prefill):
-            self._wait_for_room(job_id, loaded.name, record.priority)
-            return None
-        outcome, attempt = self.scripts.start(
-            keys=[keys.job(job_id), keys.events(job_id)],
-            args=[self.name, now(), uuid.uuid4().hex],
-        )
-        if outcome != b"started":
-            log.info("job %s is %s; not starting it", job_id, outcome.decode())
-            return None
-        if error is not None:
-            self._fail(job_id, (self.name, int(attempt)), *error)
-            return None
-        self.connection.sadd(keys.worker_jobs(self.name), job_id)
-        started = now()
-        active = ActiveJob(
-            job_id=job_id,
-            attempt=int(attempt),
-            max_attempts=record.max_attempts,
-            model=loaded,
-            prefill=prefill,
-            top_k=record.top_k,
-            logits_mode=record.logits_mode,
-            enqueued_at=record.enqueued_at or started,
-            first_started_at=record.first_started_at or started,
-            started_at=started,
-        )
-        self.active[job_id] = active
-        return active if self._checkpoint(active, enqueue=False) == "continue" else None
+            self.liveness.deregister()
+        except Exception:
+            log.warning("could not deregister %s", self.name, exc_info=True)
+        try:
+            super().teardown()
+        except Exception as error:
+            if not refused_write(error) and gave_up(self.connection) is None:
+                raise
+            log.warning("could not record %s's death in RQ: %s", self.name, error)
 
-    def _fits_kv_budget(self, prefill: Prefill) -> bool:
-        """A job alone always fits (else it could never run); others must leave it room."""
-        if self.kv_budget_bytes is None or not self.active:
-            return True
-        return self.resident_kv_bytes + prefill.cache.nbytes <= self.kv_budget_bytes
+    def work(self, *args, **kwargs) -> bool:
+        """RQ's work loop (see `rq.worker.BaseWorker.work`).
 
-    def _wait_for_room(self, job_id: str, model: str, priority: int) -> None:
-        """Put a job that does not fit back at the head of its intake queue, untouched, and
-        admit nothing until a resident job leaves."""
-        queue = intake_queue(self.connection, model, priority)
-        enqueue_chunk(queue, job_id, at_front=True)
-        self._room_needed = True
-        log.info("job %s waits for KV room (%d bytes resident)", job_id,
-                 self.resident_kv_bytes)
-
-    @staticmethod
-    def _token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
-        if record.tokens is not None:
-            return record.tokens
-        return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)
-
-    def _chunk_tokens(self, record: JobRecord) -> int | None:
-        caps = [c for c in (self.chunk_tokens, record.chunk_tokens) if c is not None]
-        return min(caps) if caps else None
-
-    def _fence_args(self, active: ActiveJob) -> list:
-        return [self.name, active.attempt, now(), self.result_ttl_s]
-
-    def _checkpoint(self, active: ActiveJob, *, enqueue: bool) -> str:
-        """Record progress; with `enqueue`, queue the continuation in the same MULTI.
-
-        Returns ``continue``, ``canceled`` or ``fenced``; on the latter two the job is
-        dropped here (the stray continuation, if any, finds it gone and does nothing).
+        Raises:
+            RedisUnreachable: Redis stayed unreachable for ``heartbeat_ttl_s`` after a stop
+                request, so resident jobs may not have been handed back.
         """
-        p = active.prefill
-        args = [*self._fence_args(active), p.cursor, p.chunks_done, p.n_tokens,
-                p.plan.recovery_position]
-        with self.connection.pipeline() as pipe:
-            pipe.multi()
-            self.scripts.checkpoint(keys=active.keys[:3], args=args, client=pipe)
-            if enqueue:
-                enqueue_chunk(self.sticky, active.job_id, pipeline=pipe)
-            outcome = pipe.execute()[0].decode()
-        if outcome != "continue":
-            log.info("job %s %s at %d/%d", active.job_id, outcome, p.cursor, p.n_tokens)
-            self._drop(active)
-        return outcome
-
-    def _publish(self, active: ActiveJob) -> None:
-        p, loaded = active.prefill, active.model
-        logits = p.logits()
-        finished = now()
-        prefill_s = max(finished - active.first_started_at, 1e-9)
-        result = {
-            "n_tokens": p.n_tokens,
-            "cached_tokens": 0,
-            "chunks_done": p.chunks_done,
-            "top_k": [
-                {"id": t.id, "logit": t.logit, "logprob": t.logprob,
-                 "piece": loaded.tokenizer.piece(t.id)}
-                for t in top_k(logits, active.top_k)
-            ],
-            "timings": {
-                "queue_wait_s": active.first_started_at - active.enqueued_at,
-                "prefill_s": prefill_s,
-                "compute_s": p.compute_seconds,
-                "tokens_per_s": p.n_tokens / prefill_s,
-            },
-            "model_sha256": loaded.sha256,
-        }
-        full = b""
-        if active.logits_mode == LogitsMode.FULL:
-            full = packb(np.asarray(logits, dtype="<f4").tobytes())
-        args = [*self._fence_args(active), packb(result), full, self.logits_ttl_s,
-                p.cursor, p.chunks_done]
-        outcome = self.scripts.publish(keys=active.keys, args=args).decode()
-        log.info("job %s %s: %d tokens in %d chunks, %.2f s",
-                 active.job_id, outcome, p.n_tokens, p.chunks_done, prefill_s)
-        self._drop(active)
-
-    def _fail(self, job_id: str, fence: tuple[str, int], error_type: str, message: str) -> None:
-        worker, attempt = fence
-        self.scripts.fail(
-            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-            args=[worker, attempt, now(), self.result_ttl_s, error_type,
-                  message[:MAX_ERROR_CHARS]],
-        )
-        self.active.pop(job_id, None)
-        self.connection.srem(keys.worker_jobs(self.name), job_id)
-        log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
-
-    def _chunk_failed(self, active: ActiveJob, error: Exception) -> None:
-        """A chunk raised: the cache is poisoned. Back to intake at cursor 0, or `failed`
-        with ``ModelError`` once the job's failures reach ``max_attempts``."""
-        log.error("job %s: chunk failed at %d/%d", active.job_id, active.prefill.cursor,
-                  active.prefill.n_tokens, exc_info=error)
-        self._requeue(active, failure=("ModelError", f"{type(error).__name__}: {error}"))
-
-    def _requeue(self, active: ActiveJob, failure: tuple[str, str] | None = None) -> None:
-        """Hand `active` back to intake (its cache dies here); `failure` counts toward
-        ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
-        error_type, message = failure or ("", "")
-        args = [*self._fence_args(active), "1" if failure else "0", error_type,
-                message[:MAX_ERROR_CHARS]]
-        with self.connection.pipeline() as pipe:
-            pipe.multi()
-            self.scripts.requeue(keys=active.keys[:3], args=args, client=pipe)
-            requeue_to_intake(self.connection, active.job_id, pipe)
-            outcome = pipe.execute()[0].decode()
-        log.info("job %s handed back: %s", active.job_id, outcome)
-        self._drop(active)
-
-    def hand_back_active(self) -> None:
-        """Requeue every resident job to intake (warm shutdown)."""
-        for active in list(self.active.values()):
-            try:
-                self._requeue(active)
-            except Exception:
-                log.exception("could not hand back job %s", active.job_id)
-
-    def _drop(self, active: ActiveJob) -> None:
-        self.active.pop(active.job_id, None)
-        self._room_needed = False
-        self.connection.srem(keys.worker_jobs(self.name), active.job_id)
+        try:
+            worked = super().work(*args, **kwargs)
+        except REDIS_ERRORS:
+            if gave_up(self.connection) is None:
+                raise
+            worked = False
+        waited = gave_up(self.connection)
+        if waited is not None:
+            left = len(self.active) + len(self.stepper.parked)
+            raise RedisUnreachable(
+                f"Redis unreachable for {waited:g} s after {self._stop_signal}; exiting "
+                f"without handing "
+                f"back {left} job{'' if left == 1 else 's'} (the reaper will requeue them)"
+            )
+        return worked

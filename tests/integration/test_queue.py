@@ -18,7 +18,7 @@ from worker.worker import PrefillWorker
 
 MODEL = "gemma3-270m"
 CHUNK_TOKENS = 128
-TOL = 1e-3  # DESIGN §8: max |diff| <= 1e-3 x max |logit|
+TOL = 1e-3  # the exactness contract: max |diff| <= 1e-3 x max |logit|
 
 
 def long_ids(reference_cases, n: int, offset: int = 0) -> list[int]:

@@ -32,6 +32,9 @@ def ids(n: int, seed: int) -> list[int]:
     return [2, *rng.integers(260, 365, size=n - 1).tolist()]
 
 
+MODULE_MAIN = [sys.executable, "-m", "worker"]
+
+
 class WorkerProcess:
     """``prefillq worker`` as a child process; its log goes to a file."""
 
@@ -40,7 +43,7 @@ class WorkerProcess:
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "worker", "--redis", url, "--name", name,
+            [*MODULE_MAIN, "worker", "--redis", url, "--name", name,
              "--model", MODEL, "--chunk-tokens", "4", "--heartbeat-ttl", "2", *extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -188,6 +191,27 @@ def test_worker_survives_a_redis_restart_and_resumes(server, workers, tiny):
     after = client.submit(tokens=ids(30, 3), model=MODEL, top_k=1)
     assert client.result(after, timeout=60).n_tokens == 30
     assert w1.proc.poll() is None, "the worker is still running"
+
+
+def test_sigterm_with_redis_gone_exits_non_zero_within_a_heartbeat_ttl(server, tmp_path):
+    client = PrefillClient.from_url(server.url)
+    w1 = WorkerProcess(server.url, "w1", tmp_path)
+    try:
+        long_job_in_flight(client, w1, 8)
+        server.stop()
+        time.sleep(1.0)  # the worker is retrying now
+        assert w1.proc.poll() is None
+        signaled = time.monotonic()
+        w1.signal(signal.SIGTERM)
+        code = w1.wait(timeout=30)
+        took = time.monotonic() - signaled
+    finally:
+        w1.stop()
+    assert code != 0
+    assert took <= 2 + 5, f"exited {took:.1f} s after SIGTERM (heartbeat TTL 2 s)"
+    last = w1.text().strip().splitlines()[-1]
+    assert last == ("prefillq: error: Redis unreachable for 2 s after SIGTERM; exiting without "
+                    "handing back 1 job (the reaper will requeue them)")
 
 
 def test_worker_carries_on_when_a_redis_restart_lost_everything(tmp_path, workers):

@@ -8,6 +8,7 @@ from model.planner import (
     DEFAULT_CHUNK_TOKENS,
     MIN_MATRIX_APPEND_TOKENS,
     RECOVERY_TAIL_TOKENS,
+    ChunkPlan,
     balance_fresh_three_chunk_prefill,
     matrix_prefill_chunk_len,
     plan_chunks,
@@ -188,3 +189,46 @@ def test_invalid_token_count_raises(n):
 def test_invalid_chunk_tokens_raises(chunk_tokens):
     with pytest.raises(ValueError):
         plan_chunks(100, GEMMA_WINDOW, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize(("n", "size", "cursor"), [(100, 16, 32), (100, 16, 5), (37, 5, 36),
+                                                  (6_000, None, 2_048), (10, 100, 3)])
+def test_a_plan_from_a_cursor_is_the_rest_of_the_prompt(n, size, cursor):
+    plan = plan_chunks(n, DEEPSEEK_WINDOW, chunk_tokens=size, cursor=cursor)
+    assert plan.start == cursor and plan.boundaries[-1] == n
+    assert sum(plan.chunk_sizes) == n - cursor
+    step = size or DEFAULT_CHUNK_TOKENS
+    assert plan.boundaries == tuple(min(n, e) for e in range(cursor + step, n + step, step))
+    assert plan.next_chunk(cursor) == (cursor, plan.boundaries[0])
+
+
+def test_a_plan_from_cursor_0_is_the_cold_plan():
+    for n, size in ((6_000, None), (4_987, None), (100, 16)):
+        assert plan_chunks(n, DEEPSEEK_WINDOW, chunk_tokens=size, cursor=0) == plan_chunks(
+            n, DEEPSEEK_WINDOW, chunk_tokens=size)
+
+
+def test_the_anchor_counts_only_after_the_cursor():
+    assert plan_chunks(100, 16, chunk_tokens=64, anchor=True, cursor=10).boundaries == (
+        74, 92, 100)
+    assert plan_chunks(100, 16, chunk_tokens=64, anchor=True, cursor=95).boundaries == (100,)
+
+
+@pytest.mark.parametrize("cursor", [-1, 100, 101])
+def test_a_cursor_outside_the_prompt_is_refused(cursor):
+    with pytest.raises(ValueError):
+        plan_chunks(100, 16, cursor=cursor)
+
+
+def test_a_plan_rebuilt_from_its_boundaries_is_the_same_plan():
+    for plan in (plan_chunks(100, 16, chunk_tokens=16), plan_chunks(4_987, DEEPSEEK_WINDOW),
+                 plan_chunks(100, 16, chunk_tokens=30, cursor=40)):
+        assert ChunkPlan.from_boundaries(plan.n_tokens, plan.boundaries,
+                                         start=plan.start) == plan
+
+
+@pytest.mark.parametrize("boundaries", [[], [16, 8, 30], [16, 32], [0, 30], [16, 16, 30],
+                                        [31]])
+def test_boundaries_must_increase_to_the_prompt_length(boundaries):
+    with pytest.raises(ValueError):
+        ChunkPlan.from_boundaries(30, boundaries)

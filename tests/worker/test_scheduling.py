@@ -8,79 +8,12 @@ before the worker records it.
 
 from __future__ import annotations
 
-import logging
-import re
-
 import numpy as np
 import pytest
 
-from jobs import JobCanceled, JobFailed, JobState, PrefillClient, keys
-from worker.worker import PrefillWorker
+from jobs import JobCanceled, JobFailed, JobState, keys
 
-MODEL = "gemma3-tiny"
-CHUNK = 16
-CHUNK_LINE = re.compile(r"job (\w+) chunk (\d+): (\d+)/(\d+) tokens")
-
-
-def ids(n: int, seed: int) -> list[int]:
-    """`n` token ids: BOS then random ids of the tiny vocabulary's text tokens."""
-    rng = np.random.default_rng(seed)
-    return [2, *rng.integers(260, 365, size=n - 1).tolist()]
-
-
-class OnChunk(logging.Handler):
-    """Records the job of every chunk, in order, and runs `action(job_id, chunk_no)` after it."""
-
-    def __init__(self, action=None):
-        super().__init__(logging.INFO)
-        self.order: list[str] = []
-        self.action = action
-
-    def emit(self, record: logging.LogRecord) -> None:
-        m = CHUNK_LINE.match(record.getMessage())
-        if m:
-            self.order.append(m.group(1))
-            if self.action is not None:
-                self.action(m.group(1), int(m.group(2)))
-
-
-@pytest.fixture
-def on_chunk():
-    logger = logging.getLogger("prefillq.worker")
-    handlers = []
-
-    def install(action=None) -> OnChunk:
-        handler = OnChunk(action)
-        logger.addHandler(handler)
-        handlers.append(handler)
-        return handler
-
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    yield install
-    for handler in handlers:
-        logger.removeHandler(handler)
-    logger.setLevel(previous)
-
-
-@pytest.fixture
-def setup(redis_conn, tiny):
-    def make(**kwargs) -> tuple[PrefillWorker, PrefillClient]:
-        worker = PrefillWorker({MODEL: tiny}, redis_conn(), name=kwargs.pop("name", "w1"),
-                               chunk_tokens=kwargs.pop("chunk_tokens", CHUNK), **kwargs)
-        worker.register_models()
-        return worker, PrefillClient(redis_conn())
-
-    return make
-
-
-def assert_logits_match(result, tiny, token_ids):
-    expected = tiny.start_prefill(token_ids).run()
-    top = np.argsort(-expected)[: len(result.top_k)]
-    assert [t.id for t in result.top_k] == top.tolist()
-    for t in result.top_k:
-        assert abs(t.logit - expected[t.id]) <= 1e-3 * np.abs(expected).max()
-
+from .helpers import CHUNK, MODEL, assert_logits_match, ids
 
 # -- cancel -------------------------------------------------------------------------------
 

@@ -1,0 +1,47 @@
+"""Worker fixtures: the chunk-line hook and a worker + client pair on the tiny Gemma 3.
+
+Actions "between chunks" are taken deterministically by `OnChunk`, a logging handler on the
+worker's per-chunk INFO line: it runs in the worker's thread right after a chunk computed,
+before the worker records it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jobs import PrefillClient
+from worker.worker import PrefillWorker
+
+from .helpers import CHUNK, MODEL, OnChunk
+
+
+@pytest.fixture
+def on_chunk():
+    logger = logging.getLogger("prefillq.worker")
+    handlers = []
+
+    def install(action=None) -> OnChunk:
+        handler = OnChunk(action)
+        logger.addHandler(handler)
+        handlers.append(handler)
+        return handler
+
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    yield install
+    for handler in handlers:
+        logger.removeHandler(handler)
+    logger.setLevel(previous)
+
+
+@pytest.fixture
+def setup(redis_conn, tiny):
+    def make(**kwargs) -> tuple[PrefillWorker, PrefillClient]:
+        worker = PrefillWorker({MODEL: tiny}, redis_conn(), name=kwargs.pop("name", "w1"),
+                               chunk_tokens=kwargs.pop("chunk_tokens", CHUNK), **kwargs)
+        worker.register_models()
+        return worker, PrefillClient(redis_conn())
+
+    return make

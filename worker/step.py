@@ -1,0 +1,394 @@
+"""The chunk step and its fenced transitions: one execution of ``advance_prefill(job_id)``.
+
+1. a canceled job is stopped (cache dropped, ``canceled`` recorded) before any compute;
+2. on its first execution here the job is tokenized, validated
+   (`jobs.requests.check_token_ids`) and planned, its cache allocated, and it is taken
+   atomically (``queued -> prefilling``, `jobs.scripts.START`); the chunk plan is recorded
+   on the job at its first start and reused by every later start, so chunk boundaries do
+   not depend on the worker;
+3. the next chunk runs and its cache state is evaluated;
+4. cursor and chunk count are recorded unless the job was canceled or taken from us;
+5. after the last chunk the final logits and ``finished`` are published in one script;
+   otherwise the continuation is enqueued on this worker's sticky queue in the same MULTI
+   as step 4, so the cache holder is the only one that continues it.
+
+Every transition is fenced on (worker, attempt) by the scripts in `jobs/scripts.py`. A write
+Redis refuses (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``,
+or, when that write is refused too, is parked and retried (`worker.parked`) until it lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from jobs import keys
+from jobs.defaults import MAX_ERROR_CHARS
+from jobs.errors import EmptyPrompt, PromptTooLong, TokenOutOfRange
+from jobs.queues import enqueue_chunk, intake_queue, requeue_to_intake
+from jobs.record import JobRecord, encode_field
+from jobs.requests import check_token_ids
+from jobs.schema import LogitsMode, now
+from jobs.scripts import Scripts
+from jobs.serializer import packb
+from model.planner import ChunkPlan, plan_chunks
+from model.prefill import Prefill, start_prefill, top_k
+from model.registry import LoadedModel
+from model.tokenizer import TokenizerError
+
+from .admission import Admission
+from .connection import refused_write
+from .parked import ParkedWrites
+
+log = logging.getLogger("prefillq.worker")
+
+# error.type of a job whose transition Redis refused to write (maxmemory, value too large)
+REDIS_OOM = "RedisOutOfMemory"
+# error.type of a job whose recorded chunk plan does not fit its prompt
+INVALID_CHUNK_PLAN = "InvalidChunkPlan"
+INPUT_ERRORS = (EmptyPrompt, TokenOutOfRange, PromptTooLong, TokenizerError)
+
+
+@dataclass
+class ActiveJob:
+    """A job whose KV cache this worker holds."""
+
+    job_id: str
+    attempt: int
+    max_attempts: int
+    model: LoadedModel
+    prefill: Prefill
+    top_k: int
+    logits_mode: LogitsMode
+    enqueued_at: float
+    first_started_at: float
+    started_at: float
+
+    @property
+    def keys(self) -> list[str]:
+        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits."""
+        j = self.job_id
+        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j)]
+
+
+class Stepper:
+    """Runs chunks of the jobs resident on worker `name` and records their transitions.
+
+    Args:
+        connection: Redis connection (bytes replies).
+        name: the worker's name (the fencing token's worker part).
+        models: loaded models by registry name.
+        sticky: the worker's sticky queue (continuations of resident jobs).
+        admission: the worker's admission policy; it reads `active`.
+        chunk_tokens: cap on chunk size when this worker plans a job.
+        result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
+    """
+
+    def __init__(self, connection, name: str, models: dict[str, LoadedModel], sticky,
+                 admission: Admission, *, chunk_tokens: int | None, result_ttl_s: int,
+                 logits_ttl_s: int):
+        self.connection, self.name, self.models = connection, name, models
+        self.sticky, self.admission = sticky, admission
+        self.chunk_tokens = chunk_tokens
+        self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
+        self.scripts = Scripts(connection)
+        self.active: dict[str, ActiveJob] = admission.active
+        self.parked = ParkedWrites()  # transitions Redis refused, retried by `settle`
+
+    # -- the chunk step -----------------------------------------------------------------
+
+    def advance(self, job_id: str) -> None:
+        """Run one chunk of `job_id` (the body of ``advance_prefill``); a write Redis
+        refuses fails or parks this job, never the worker."""
+        try:
+            self._advance(job_id)
+        except Exception as error:
+            if not refused_write(error):
+                raise
+            self._refused(job_id, error)
+
+    def _advance(self, job_id: str) -> None:
+        active = self.active.get(job_id) or self.start(job_id)
+        if active is None:
+            return
+        if self.connection.exists(keys.cancel(job_id)):
+            self.checkpoint(active, enqueue=False)  # records `canceled`
+            return
+        t0 = time.perf_counter()
+        try:
+            n = active.prefill.step()
+        except Exception as error:  # the job's boundary: record it, keep serving
+            self.chunk_failed(active, error)
+            return
+        dt = time.perf_counter() - t0
+        p = active.prefill
+        log.info(
+            "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
+            job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
+        )
+        if p.done:
+            self.publish(active)
+        else:
+            self.checkpoint(active, enqueue=True)
+        self.stop_canceled()
+
+    def stop_canceled(self) -> None:
+        """Stop every other resident job with a pending cancel now, not at its next turn:
+        its KV cache is released within one chunk time of the cancel."""
+        waiting = list(self.active.values())
+        if not waiting:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for active in waiting:
+                pipe.exists(keys.cancel(active.job_id))
+            flags = pipe.execute()
+        for active, flagged in zip(waiting, flags, strict=True):
+            if flagged:
+                self.advance_cancel(active)
+
+    def advance_cancel(self, active: ActiveJob) -> None:
+        """Record `canceled` for a resident job (its own refused write parks it only)."""
+        try:
+            self.checkpoint(active, enqueue=False)
+        except Exception as error:
+            if not refused_write(error):
+                raise
+            self._refused(active.job_id, error)
+
+    # -- start --------------------------------------------------------------------------
+
+    def start(self, job_id: str) -> ActiveJob | None:
+        """First execution of a job here: tokenize, validate, plan, check the KV budget,
+        then take it (``queued -> prefilling``). Returns None when the job is not ours to
+        run (gone, another model, not queued, failed its input checks, waits for room)."""
+        raw = self.connection.hgetall(keys.job(job_id))
+        if not raw:
+            log.warning("job %s has no record (expired?); skipping", job_id)
+            return None
+        record = JobRecord.from_hash(job_id, raw)
+        loaded = self.models.get(record.model)
+        if loaded is None:
+            log.error("job %s wants model %s, not served here", job_id, record.model)
+            return None
+        prefill, error = self._prepare(loaded, record)
+        if prefill is not None and not self.admission.fits(prefill.cache.nbytes):
+            self.admission.wait_for_room(job_id, loaded.name, record.priority)
+            return None
+        plan = b"" if prefill is None else encode_field("chunk_plan", list(prefill.plan.boundaries))
+        outcome, attempt = self.scripts.start(
+            keys=[keys.job(job_id), keys.events(job_id)],
+            args=[self.name, now(), uuid.uuid4().hex, plan],
+        )
+        if outcome != b"started":
+            log.info("job %s is %s; not starting it", job_id, outcome.decode())
+            return None
+        if error is not None:
+            self.fail(job_id, (self.name, int(attempt)), *error)
+            return None
+        active = self._activate(record, loaded, prefill, int(attempt))
+        return active if self.checkpoint(active, enqueue=False) == "continue" else None
+
+    def _prepare(self, loaded: LoadedModel, record: JobRecord
+                 ) -> tuple[Prefill | None, tuple[str, str] | None]:
+        """The job's prefill, or the ``(error type, message)`` it fails with."""
+        try:
+            ids = self._token_ids(loaded, record)
+            check_token_ids(ids, loaded.vocab_size, loaded.context_length)
+        except INPUT_ERRORS as e:
+            return None, (type(e).__name__, str(e))
+        try:
+            plan = self._plan(loaded, record, len(ids))
+        except ValueError as e:
+            return None, (INVALID_CHUNK_PLAN, str(e))
+        try:
+            return start_prefill(loaded.model, ids, vocab_size=loaded.vocab_size,
+                                 context_length=loaded.context_length, kv_dtype=loaded.dtype,
+                                 plan=plan), None
+        except Exception as e:
+            log.exception("job %s: could not start", record.job_id)
+            return None, ("ModelError", f"{type(e).__name__}: {e}")
+
+    def _plan(self, loaded: LoadedModel, record: JobRecord, n_tokens: int) -> ChunkPlan:
+        """The recorded plan of a job started before, else this worker's plan for it.
+
+        Raises:
+            ValueError: the recorded boundaries do not fit a prompt of `n_tokens`.
+        """
+        if record.chunk_plan is not None:
+            return ChunkPlan.from_boundaries(n_tokens, record.chunk_plan)
+        caps = [c for c in (self.chunk_tokens, record.chunk_tokens) if c is not None]
+        return plan_chunks(n_tokens, loaded.sliding_window,
+                           chunk_tokens=min(caps) if caps else None)
+
+    @staticmethod
+    def _token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
+        if record.tokens is not None:
+            return record.tokens
+        return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)
+
+    def _activate(self, record: JobRecord, loaded: LoadedModel, prefill: Prefill,
+                  attempt: int) -> ActiveJob:
+        started = now()
+        active = ActiveJob(
+            job_id=record.job_id,
+            attempt=attempt,
+            max_attempts=record.max_attempts,
+            model=loaded,
+            prefill=prefill,
+            top_k=record.top_k,
+            logits_mode=record.logits_mode,
+            enqueued_at=record.enqueued_at or started,
+            first_started_at=record.first_started_at or started,
+            started_at=started,
+        )
+        self.active[record.job_id] = active
+        self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
+        return active
+
+    # -- transitions --------------------------------------------------------------------
+
+    def _fence_args(self, active: ActiveJob) -> list:
+        return [self.name, active.attempt, now(), self.result_ttl_s]
+
+    def checkpoint(self, active: ActiveJob, *, enqueue: bool) -> str:
+        """Record progress; with `enqueue`, queue the continuation in the same MULTI.
+
+        Returns ``continue``, ``canceled`` or ``fenced``; on the latter two the job is
+        dropped here (the stray continuation, if any, finds it gone and does nothing).
+        """
+        p = active.prefill
+        args = [*self._fence_args(active), p.cursor, p.chunks_done, p.n_tokens,
+                p.plan.recovery_position]
+        with self.connection.pipeline() as pipe:
+            pipe.multi()
+            self.scripts.checkpoint(keys=active.keys[:3], args=args, client=pipe)
+            if enqueue:
+                enqueue_chunk(self.sticky, active.job_id, pipeline=pipe)
+            outcome = pipe.execute()[0].decode()
+        if outcome != "continue":
+            log.info("job %s %s at %d/%d", active.job_id, outcome, p.cursor, p.n_tokens)
+            self.drop(active)
+        return outcome
+
+    def publish(self, active: ActiveJob) -> None:
+        """Publish the final logits and ``finished`` (fenced; canceled wins)."""
+        p = active.prefill
+        logits = p.logits()
+        finished = now()
+        prefill_s = max(finished - active.first_started_at, 1e-9)
+        full = b""
+        if active.logits_mode == LogitsMode.FULL:
+            full = packb(np.asarray(logits, dtype="<f4").tobytes())
+        args = [*self._fence_args(active), packb(self._result(active, logits, prefill_s)),
+                full, self.logits_ttl_s, p.cursor, p.chunks_done]
+        outcome = self.scripts.publish(keys=active.keys, args=args).decode()
+        log.info("job %s %s: %d tokens in %d chunks, %.2f s",
+                 active.job_id, outcome, p.n_tokens, p.chunks_done, prefill_s)
+        self.drop(active)
+
+    @staticmethod
+    def _result(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
+        p, loaded = active.prefill, active.model
+        return {
+            "n_tokens": p.n_tokens,
+            "cached_tokens": 0,
+            "chunks_done": p.chunks_done,
+            "top_k": [
+                {"id": t.id, "logit": t.logit, "logprob": t.logprob,
+                 "piece": loaded.tokenizer.piece(t.id)}
+                for t in top_k(logits, active.top_k)
+            ],
+            "timings": {
+                "queue_wait_s": active.first_started_at - active.enqueued_at,
+                "prefill_s": prefill_s,
+                "compute_s": p.compute_seconds,
+                "tokens_per_s": p.n_tokens / prefill_s,
+            },
+            "model_sha256": loaded.sha256,
+        }
+
+    def fail(self, job_id: str, fence: tuple[str, int], error_type: str, message: str) -> None:
+        """Record ``failed`` with ``error.type`` `error_type` (fenced) and forget the job."""
+        worker, attempt = fence
+        self.scripts.fail(
+            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
+            args=[worker, attempt, now(), self.result_ttl_s, error_type,
+                  message[:MAX_ERROR_CHARS]],
+        )
+        self.active.pop(job_id, None)
+        self.connection.srem(keys.worker_jobs(self.name), job_id)
+        log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
+
+    def chunk_failed(self, active: ActiveJob, error: Exception) -> None:
+        """A chunk raised: the cache is poisoned. Back to intake at cursor 0, or `failed`
+        with ``ModelError`` once the job's failures reach ``max_attempts``."""
+        log.error("job %s: chunk failed at %d/%d", active.job_id, active.prefill.cursor,
+                  active.prefill.n_tokens, exc_info=error)
+        self.requeue(active, failure=("ModelError", f"{type(error).__name__}: {error}"))
+
+    def requeue(self, active: ActiveJob, failure: tuple[str, str] | None = None) -> None:
+        """Hand `active` back to intake (its cache dies here); `failure` counts toward
+        ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
+        error_type, message = failure or ("", "")
+        args = [*self._fence_args(active), "1" if failure else "0", error_type,
+                message[:MAX_ERROR_CHARS]]
+        with self.connection.pipeline() as pipe:
+            pipe.multi()
+            self.scripts.requeue(keys=active.keys[:3], args=args, client=pipe)
+            requeue_to_intake(self.connection, active.job_id, pipe)
+            outcome = pipe.execute()[0].decode()
+        log.info("job %s handed back: %s", active.job_id, outcome)
+        self.drop(active)
+
+    def hand_back_active(self) -> None:
+        """Requeue every resident job to intake (warm shutdown). A hand-back Redis refuses
+        is parked in `unsettled`; one that fails otherwise leaves the job in `active`."""
+        for active in list(self.active.values()):
+            try:
+                self.requeue(active)
+            except Exception as error:
+                if not refused_write(error):
+                    log.error("could not hand back job %s: %s: %s", active.job_id,
+                              type(error).__name__, error)
+                    continue
+                self.drop(active, deregister=False)
+                self.parked.park(active.job_id, "hand-back", lambda a=active: self.requeue(a),
+                           error)
+
+    def drop(self, active: ActiveJob, *, deregister: bool = True) -> None:
+        """Forget `active` here (its cache is released); room for the next job."""
+        self.active.pop(active.job_id, None)
+        self.admission.room_freed()
+        if deregister:
+            self.connection.srem(keys.worker_jobs(self.name), active.job_id)
+
+    # -- writes Redis refused -------------------------------------------------------------
+
+    def _refused(self, job_id: str, error: Exception) -> None:
+        """A write of `job_id`'s step was refused: fail a resident job with `REDIS_OOM`
+        (its cache is dropped), or put a job that was not taken back on intake; a write
+        that is refused again is parked for `settle`."""
+        active = self.active.get(job_id)
+        if active is None:
+            self.parked.park(job_id, "re-enqueue", lambda: self._reenqueue(job_id), error)
+            return
+        self.drop(active, deregister=False)
+        message = (f"Redis refused a write of this job under its maxmemory/noeviction policy "
+                   f"or size limit: {error}")
+        fence = (self.name, active.attempt)
+        self.parked.park(job_id, "failure", lambda: self.fail(job_id, fence, REDIS_OOM, message),
+                   error)
+
+    def settle(self) -> int:
+        """Retry the transitions Redis refused earlier (`ParkedWrites.settle`)."""
+        return self.parked.settle()
+
+    def _reenqueue(self, job_id: str) -> None:
+        record = JobRecord.from_hash(job_id, self.connection.hgetall(keys.job(job_id)))
+        if record.model:  # an expired record needs no RQ job; START skips a stray one
+            queue = intake_queue(self.connection, record.model, record.priority)
+            enqueue_chunk(queue, job_id, at_front=True)
