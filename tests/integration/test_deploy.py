@@ -34,7 +34,6 @@ def test_dockerfile_preloads_openblas_and_installs_the_worker():
 def test_every_package_ships_in_a_non_editable_install():
     """A Docker build installs the wheel, not the checkout: every sub-package must be in it."""
     import tomllib
-
     from setuptools import find_packages
 
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
