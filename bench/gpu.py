@@ -96,7 +96,8 @@ def prefill_seconds(model, n: int, chunk: int | None, repeats: int) -> float:
 
 
 def deepseek4_flops(args, n: int) -> float:
-    """Useful FLOPs of a DeepSeek-V4 prefill of `n` tokens (research doc §2-3b): every
+    """Useful FLOPs of a DeepSeek-V4 prefill of `n` tokens, counted from the DeepSeek-V4
+    reference ``inference/model.py`` (`Attention`, `Compressor`, `Indexer`, `MoE`): every
     projection once per token (routed experts: the `num_experts_per_tok` chosen), attention
     over the window plus the compressed rows a query may see (top-k of them on ratio-4
     layers), the indexer's scores over all visible ratio-4 rows, and the head once."""

@@ -1,4 +1,5 @@
-"""Chunk planning: the seeds' (hf2q) unit-test values, then `plan_chunks` on top of them."""
+"""Chunk planning: hf2q's unit-test values (github.com/robertelee78/hf2q, its serving adapter
+and prefill verifier), then `plan_chunks` on top of them."""
 
 from __future__ import annotations
 
@@ -19,20 +20,20 @@ GEMMA_WINDOW = 512
 DEEPSEEK_WINDOW = 128
 
 
-def test_constants_match_the_seeds_and_design():
+def test_constants_match_hf2q():
     assert DEFAULT_CHUNK_TOKENS == 2048
     assert MIN_MATRIX_APPEND_TOKENS == 33
     assert RECOVERY_TAIL_TOKENS == 8
 
 
-# seeds 002: long_prompts_continue_matrix_prefill_after_the_first_chunk
+# hf2q prefill verifier: long_prompts_continue_matrix_prefill_after_the_first_chunk
 def test_long_prompts_continue_matrix_prefill_after_the_first_chunk():
     assert matrix_prefill_chunk_len(0, 6_000, 128, 16) == 2_048
     assert matrix_prefill_chunk_len(2_048, 3_952, 128, 16) == 2_048
     assert matrix_prefill_chunk_len(0, 6_000, 128, 32) == 4_096
 
 
-# seeds 002: only_small_cached_suffixes_use_incremental_replay
+# hf2q prefill verifier: only_small_cached_suffixes_use_incremental_replay
 def test_only_small_cached_suffixes_use_incremental_replay():
     assert matrix_prefill_chunk_len(1_024, MIN_MATRIX_APPEND_TOKENS - 1, 128, 16) == 0
     assert (
@@ -48,7 +49,7 @@ def test_matrix_chunk_is_capped_by_what_remains():
     assert matrix_prefill_chunk_len(0, 0, 128, 16) == 0
 
 
-# seeds 000: fresh_three_chunk_prefill_balances_only_the_underfilled_band
+# hf2q serving adapter: fresh_three_chunk_prefill_balances_only_the_underfilled_band
 def test_fresh_three_chunk_prefill_balances_only_the_underfilled_band():
     assert balance_fresh_three_chunk_prefill(0, 4_987, 128, 16) == 13
     assert balance_fresh_three_chunk_prefill(0, 4_096, 128, 16) == 16
@@ -78,7 +79,7 @@ def test_recovery_position_is_n_minus_8_clamped_at_zero():
     [
         # DeepSeek-V4 windows: 6000 is in the band, but ceil(ceil(6000/3)/128) = 16 windows
         (6_000, DEEPSEEK_WINDOW, (2_048, 2_048, 1_904)),
-        (4_987, DEEPSEEK_WINDOW, (1_664, 1_664, 1_659)),  # 13 windows, as in the seeds
+        (4_987, DEEPSEEK_WINDOW, (1_664, 1_664, 1_659)),  # 13 windows, as in hf2q
         (3_000, DEEPSEEK_WINDOW, (2_048, 952)),
         (4_096, DEEPSEEK_WINDOW, (2_048, 2_048)),
         (6_144, DEEPSEEK_WINDOW, (2_048, 2_048, 2_048)),
