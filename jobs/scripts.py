@@ -20,16 +20,28 @@ if state ~= 'prefilling' or worker ~= ARGV[1] or attempts ~= ARGV[2] then
 end
 """
 
-_CANCEL_IF_FLAGGED = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
+_CANCELED = """
   redis.call('HSET', KEYS[1], 'state', 'canceled', 'cancel_requested', 0,
              'updated_at', ARGV[3], 'finished_at', ARGV[3])
   redis.call('DEL', KEYS[2])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('PUBLISH', KEYS[3], 'canceled')
   return 'canceled'
+"""
+
+_CANCEL_IF_FLAGGED = "if redis.call('EXISTS', KEYS[2]) == 1 then" + _CANCELED + "end\n"
+
+# The per-chunk scripts read the fence and the cancel request in one HMGET (`CANCEL` sets
+# ``cancel_requested`` together with the flag key), so a chunk's checkpoint costs the
+# script, one read, one write and its progress event.
+_FENCE_READING_CANCEL = """
+local state, worker, attempts, requested = unpack(redis.call('HMGET', KEYS[1], 'state',
+                                                   'worker', 'attempts', 'cancel_requested'))
+if state ~= 'prefilling' or worker ~= ARGV[1] or attempts ~= ARGV[2] then
+  return 'fenced'
 end
 """
+_CANCEL_IF_REQUESTED = "if requested == '1' then" + _CANCELED + "end\n"
 
 # A worker takes a queued job: state queued -> prefilling, attempts += 1.
 # KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
@@ -54,12 +66,12 @@ return {'started', attempts}
 # ARGV[4] result TTL (s), ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens,
 # ARGV[8] recovery_position.
 CHECKPOINT = (
-    _FENCE
+    _FENCE_READING_CANCEL
     + """
 redis.call('HSET', KEYS[1], 'cursor', ARGV[5], 'chunks_done', ARGV[6], 'n_tokens', ARGV[7],
            'recovery_position', ARGV[8], 'updated_at', ARGV[3])
 """
-    + _CANCEL_IF_FLAGGED
+    + _CANCEL_IF_REQUESTED
     + """
 redis.call('PUBLISH', KEYS[3], 'prefilling')
 return 'continue'
@@ -70,8 +82,8 @@ return 'continue'
 # KEYS[4] logits key; ARGV[5] result blob, ARGV[6] logits blob or '', ARGV[7] logits TTL,
 # ARGV[8] cursor, ARGV[9] chunks_done.
 PUBLISH = (
-    _FENCE
-    + _CANCEL_IF_FLAGGED
+    _FENCE_READING_CANCEL
+    + _CANCEL_IF_REQUESTED
     + """
 if ARGV[6] ~= '' then
   redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[7])

@@ -1,15 +1,16 @@
-"""Admission: which queues a worker reads next, and whether a new job's KV cache fits.
+"""Admission: whether a worker takes a new job now, and from which queues.
 
 While fewer than ``max_active`` jobs are resident (and their KV bytes are under the budget)
-the intake queues are read before the sticky queue, highest priority first, so a new job
-waits at most for the chunk in progress; admitted jobs then advance round-robin (the sticky
-queue is FIFO). A job that does not fit goes back to the head of its intake queue, and
-nothing is admitted until a resident job leaves.
+the worker admits from its own queue (jobs routed to it) and then the intake queues, highest
+priority first, between any two chunks, so a new job waits at most for the chunk in progress;
+resident jobs advance round-robin. A job that does not fit goes back to the head of its intake
+queue, and nothing is admitted until a resident job leaves.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 from rq import Queue
@@ -19,6 +20,8 @@ from jobs.queues import enqueue_chunk, intake_priorities, intake_queue
 
 log = logging.getLogger("prefillq.worker")
 
+# A new priority level's intake queue is read within this many seconds of its first job.
+PRIORITIES_REFRESH_S = 1.0
 
 
 class Admission:
@@ -41,6 +44,8 @@ class Admission:
         self.max_active = max(1, max_active)
         self.kv_budget_bytes = kv_budget_bytes
         self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
+        self._intake: list[Queue] | None = None
+        self._intake_read_at = 0.0
 
     @property
     def resident_kv_bytes(self) -> int:
@@ -60,12 +65,15 @@ class Admission:
         )
         return [intake_queue(self.connection, m, p) for p, m in levels]
 
-    def queues(self, sticky: Queue) -> list[Queue]:
-        """The queues to read next, in order: new jobs first while there is room, else
-        only continuations."""
-        if self.admitting():
-            return [*self.intake_by_priority(), sticky]
-        return [sticky]
+    def queues(self, own: Queue) -> list[Queue]:
+        """The queues to admit from now, in order (the worker's own queue first, then intake
+        by priority), or none while there is no room. Intake priorities are read from Redis
+        at most every `PRIORITIES_REFRESH_S` seconds."""
+        if not self.admitting():
+            return []
+        if self._intake is None or time.monotonic() >= self._intake_read_at + PRIORITIES_REFRESH_S:
+            self._intake, self._intake_read_at = self.intake_by_priority(), time.monotonic()
+        return [own, *self._intake]
 
     def fits(self, kv_bytes: int) -> bool:
         """Whether a new job of `kv_bytes` fits. A job alone always fits (else it could

@@ -1,16 +1,15 @@
-"""The chunk step and its fenced transitions: one execution of ``advance_prefill(job_id)``.
+"""The chunk step and its fenced transitions.
 
-1. a canceled job is stopped (cache dropped, ``canceled`` recorded) before any compute;
-2. on its first execution here the job is tokenized, validated
-   (`jobs.requests.check_token_ids`) and planned, its cache allocated, and it is taken
-   atomically (``queued -> prefilling``, `jobs.scripts.START`); the chunk plan is recorded
-   on the job at its first start and reused by every later start, so chunk boundaries do
-   not depend on the worker;
-3. the next chunk runs and its cache state is evaluated;
-4. cursor and chunk count are recorded unless the job was canceled or taken from us;
-5. after the last chunk the final logits and ``finished`` are published in one script;
-   otherwise the continuation is enqueued on this worker's sticky queue in the same MULTI
-   as step 4, so the cache holder is the only one that continues it.
+A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
+(`Stepper.admit`): it is tokenized, validated (`jobs.requests.check_token_ids`) and planned,
+its cache allocated, and it is taken atomically (``queued -> prefilling``,
+`jobs.scripts.START`; the chunk plan is recorded on the job at its first start and reused by
+every later start, so chunk boundaries do not depend on the worker); then its first chunk
+runs. Its later chunks run in the worker's own round-robin loop (`Stepper.advance_next`),
+one chunk of one resident job per call. After every chunk one round trip
+(`worker.roundtrip`) records the cursor or publishes the final logits (one fenced script;
+canceled wins) and reads the other resident jobs' cancel flags and whether intake holds a
+job to admit.
 
 Every transition is fenced on (worker, attempt) by the scripts in `jobs/scripts.py`. A write
 Redis refuses (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``,
@@ -22,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,7 @@ from model.tokenizer import TokenizerError
 from .admission import Admission
 from .connection import refused_write
 from .parked import ParkedWrites
+from .roundtrip import Probe, Reply, run_script
 
 log = logging.getLogger("prefillq.worker")
 
@@ -82,78 +83,82 @@ class Stepper:
         connection: Redis connection (bytes replies).
         name: the worker's name (the fencing token's worker part).
         models: loaded models by registry name.
-        sticky: the worker's sticky queue (continuations of resident jobs).
+        admit_from: the Redis keys of the queues the worker would admit from now (empty
+            while it has no room); their lengths ride along with every chunk's round trip.
         admission: the worker's admission policy; it reads `active`.
         chunk_tokens: cap on chunk size when this worker plans a job.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
     """
 
-    def __init__(self, connection, name: str, models: dict[str, LoadedModel], sticky,
-                 admission: Admission, *, chunk_tokens: int | None, result_ttl_s: int,
-                 logits_ttl_s: int):
+    def __init__(self, connection, name: str, models: dict[str, LoadedModel],
+                 admission: Admission, admit_from: Callable[[], list[str]], *,
+                 chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int):
         self.connection, self.name, self.models = connection, name, models
-        self.sticky, self.admission = sticky, admission
+        self.admission, self.admit_from = admission, admit_from
         self.chunk_tokens = chunk_tokens
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
         self.scripts = Scripts(connection)
         self.active: dict[str, ActiveJob] = admission.active
         self.parked = ParkedWrites()  # transitions Redis refused, retried by `settle`
+        self.intake_waiting = True  # as of the last round trip: a queue to admit from is not empty
 
     # -- the chunk step -----------------------------------------------------------------
 
-    def advance(self, job_id: str) -> None:
-        """Run one chunk of `job_id` (the body of ``advance_prefill``); a write Redis
+    def admit(self, job_id: str) -> None:
+        """Start `job_id` and run its first chunk (the body of ``advance_prefill``, the one
+        RQ execution of a job); its later chunks run from `advance_next`. A write Redis
         refuses fails or parks this job, never the worker."""
+        if job_id in self.active:  # a stray execution: the resident loop owns this job
+            log.debug("job %s is resident already", job_id)
+            return
+        self._guarded(job_id, self._admit, job_id)
+
+    def advance_next(self) -> None:
+        """Run one chunk of the resident job whose turn it is (round-robin)."""
+        active = next(iter(self.active.values()))
+        self._guarded(active.job_id, self._run_chunk, active)
+
+    def _guarded(self, job_id: str, step, *args) -> None:
         try:
-            self._advance(job_id)
+            step(*args)
         except Exception as error:
             if not refused_write(error):
                 raise
             self._refused(job_id, error)
 
-    def _advance(self, job_id: str) -> None:
-        active = self.active.get(job_id) or self.start(job_id)
-        if active is None:
-            return
-        if self.connection.exists(keys.cancel(job_id)):
-            self.checkpoint(active, enqueue=False)  # records `canceled`
-            return
+    def _admit(self, job_id: str) -> None:
+        active = self.start(job_id)
+        if active is not None:
+            self._run_chunk(active)
+
+    def _run_chunk(self, active: ActiveJob) -> None:
+        """One chunk of `active`, then its checkpoint or publish in one round trip that also
+        brings back the other resident jobs' cancel flags and whether intake is waiting."""
+        job_id, p = active.job_id, active.prefill
+        self.active[job_id] = self.active.pop(job_id)  # its next turn comes after the others'
         t0 = time.perf_counter()
         try:
-            n = active.prefill.step()
+            n = p.step()
         except Exception as error:  # the job's boundary: record it, keep serving
             self.chunk_failed(active, error)
             return
         dt = time.perf_counter() - t0
-        p = active.prefill
         log.info(
             "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
             job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
         )
-        if p.done:
-            self.publish(active)
-        else:
-            self.checkpoint(active, enqueue=True)
-        self.stop_canceled()
-
-    def stop_canceled(self) -> None:
-        """Stop every other resident job with a pending cancel now, not at its next turn:
-        its KV cache is released within one chunk time of the cancel."""
-        waiting = list(self.active.values())
-        if not waiting:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for active in waiting:
-                pipe.exists(keys.cancel(active.job_id))
-            flags = pipe.execute()
-        for active, flagged in zip(waiting, flags, strict=True):
-            if flagged:
-                self.advance_cancel(active)
+        probe = Probe(others=[j for j in self.active if j != job_id],
+                      queue_keys=self.admit_from())
+        reply = self.publish(active, probe) if p.done else self.checkpoint(active, probe)
+        self.intake_waiting = reply.intake_waiting
+        for other in reply.canceled:  # released within one chunk time of the cancel
+            if other in self.active:
+                self.advance_cancel(self.active[other])
 
     def advance_cancel(self, active: ActiveJob) -> None:
         """Record `canceled` for a resident job (its own refused write parks it only)."""
         try:
-            self.checkpoint(active, enqueue=False)
+            self.checkpoint(active)
         except Exception as error:
             if not refused_write(error):
                 raise
@@ -190,7 +195,7 @@ class Stepper:
             self.fail(job_id, (self.name, int(attempt)), *error)
             return None
         active = self._activate(record, loaded, prefill, int(attempt))
-        return active if self.checkpoint(active, enqueue=False) == "continue" else None
+        return active if self.checkpoint(active).outcome == "continue" else None
 
     def _prepare(self, loaded: LoadedModel, record: JobRecord
                  ) -> tuple[Prefill | None, tuple[str, str] | None]:
@@ -254,28 +259,22 @@ class Stepper:
     def _fence_args(self, active: ActiveJob) -> list:
         return [self.name, active.attempt, now(), self.result_ttl_s]
 
-    def checkpoint(self, active: ActiveJob, *, enqueue: bool) -> str:
-        """Record progress; with `enqueue`, queue the continuation in the same MULTI.
-
-        Returns ``continue``, ``canceled`` or ``fenced``; on the latter two the job is
-        dropped here (the stray continuation, if any, finds it gone and does nothing).
-        """
+    def checkpoint(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
+        """Record progress (fenced; canceled wins), with `probe`'s reads in the same round
+        trip. On ``canceled`` or ``fenced`` the job is dropped here."""
         p = active.prefill
         args = [*self._fence_args(active), p.cursor, p.chunks_done, p.n_tokens,
                 p.plan.recovery_position]
-        with self.connection.pipeline() as pipe:
-            pipe.multi()
-            self.scripts.checkpoint(keys=active.keys[:3], args=args, client=pipe)
-            if enqueue:
-                enqueue_chunk(self.sticky, active.job_id, pipeline=pipe)
-            outcome = pipe.execute()[0].decode()
-        if outcome != "continue":
-            log.info("job %s %s at %d/%d", active.job_id, outcome, p.cursor, p.n_tokens)
+        reply = run_script(self.connection, self.scripts.checkpoint, active.keys[:3], args,
+                           probe)
+        if reply.outcome != "continue":
+            log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)
             self.drop(active)
-        return outcome
+        return reply
 
-    def publish(self, active: ActiveJob) -> None:
-        """Publish the final logits and ``finished`` (fenced; canceled wins)."""
+    def publish(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
+        """Publish the final logits and ``finished`` (fenced; canceled wins), with `probe`'s
+        reads in the same round trip."""
         p = active.prefill
         logits = p.logits()
         finished = now()
@@ -285,10 +284,11 @@ class Stepper:
             full = packb(np.asarray(logits, dtype="<f4").tobytes())
         args = [*self._fence_args(active), packb(self._result(active, logits, prefill_s)),
                 full, self.logits_ttl_s, p.cursor, p.chunks_done]
-        outcome = self.scripts.publish(keys=active.keys, args=args).decode()
+        reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
-                 active.job_id, outcome, p.n_tokens, p.chunks_done, prefill_s)
+                 active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
         self.drop(active)
+        return reply
 
     @staticmethod
     def _result(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
+from rq.worker import WorkerStatus
 
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
@@ -128,9 +129,10 @@ class PrefillWorker(SimpleWorker):
                          serializer=MsgpackSerializer)
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
                                    kv_budget_bytes=kv_budget_bytes)
-        self.stepper = Stepper(connection, name, models, self.sticky, self.admission,
+        self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
                                logits_ttl_s=logits_ttl_s)
+        self._rq_beat_at = 0.0
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
                                   result_ttl_s=result_ttl_s, on_beat=self.stepper.settle)
         self._stop_signal = "SIGTERM"
@@ -145,8 +147,11 @@ class PrefillWorker(SimpleWorker):
         self.liveness.register_models()
 
     def advance(self, job_id: str) -> None:
-        """Run one chunk of `job_id` (the body of ``advance_prefill``)."""
-        self.stepper.advance(job_id)
+        """Admit `job_id` and run its first chunk (the body of ``advance_prefill``)."""
+        self.stepper.admit(job_id)
+
+    def _admit_from(self) -> list[str]:
+        return [q.key for q in self.admission.queues(self.sticky)]
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown)."""
@@ -160,12 +165,25 @@ class PrefillWorker(SimpleWorker):
         self.liveness.start()
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-        # New jobs first while there is room (a short job waits at most one chunk), else
-        # only continuations, which the sticky queue serves round-robin. While Redis refuses
-        # RQ's own writes (maxmemory), wait for room instead of quitting.
+        # RQ asks for the next execution; while jobs are resident, their chunks run here,
+        # round-robin, and a job waiting in a queue with room is returned to RQ for its one
+        # execution (admission) as soon as the last round trip showed one. With nothing
+        # resident, block on intake as RQ does. While Redis refuses RQ's own writes
+        # (maxmemory), wait for room instead of quitting.
         while True:
             self.stepper.settle()
-            self._ordered_queues = self.admission.queues(self.sticky)
+            if self.active and not self._stop_requested:
+                if self.get_state() != WorkerStatus.BUSY:  # a SIGTERM now waits for the chunk
+                    self.set_state(WorkerStatus.BUSY)
+                admitted = self._admit_between_chunks()
+                if admitted is not None:
+                    return admitted
+                self.stepper.advance_next()
+                self._maintain()
+                continue
+            if self._stop_requested:
+                return None
+            self._ordered_queues = self.admission.queues(self.sticky) or [self.sticky]
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             except Exception as error:
@@ -173,6 +191,28 @@ class PrefillWorker(SimpleWorker):
                     raise
                 log.warning("Redis refused a write while dequeuing (%s); waiting", error)
                 time.sleep(self.heartbeat_ttl_s / 6)
+
+    def _admit_between_chunks(self) -> tuple[Job, Queue] | None:
+        """A job to admit now, without blocking, if the last round trip saw one waiting."""
+        queues = self.admission.queues(self.sticky)
+        if not queues or not self.stepper.intake_waiting:
+            return None
+        self.stepper.intake_waiting = False  # until the next round trip says otherwise
+        result = self.queue_class.dequeue_any(
+            queues, None, connection=self.connection, job_class=self.job_class,
+            serializer=self.serializer, death_penalty_class=self.death_penalty_class)
+        if result is not None:
+            result[0].redis_server_version = self.get_redis_server_version()
+        return result
+
+    def _maintain(self) -> None:
+        """RQ's worker heartbeat and maintenance, which its own loop runs between
+        executions, from between chunks (at a fraction of RQ's worker TTL)."""
+        if time.monotonic() >= self._rq_beat_at:
+            self._rq_beat_at = time.monotonic() + self.worker_ttl / 6
+            self.heartbeat()
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
