@@ -20,8 +20,6 @@ from jobs.queues import enqueue_chunk, intake_priorities, intake_queue
 
 log = logging.getLogger("prefillq.worker")
 
-# A new priority level's intake queue is read within this many seconds of its first job.
-PRIORITIES_REFRESH_S = 1.0
 
 
 class Admission:
@@ -34,16 +32,20 @@ class Admission:
             read, never changed here.
         max_active: jobs resident at once (at least 1).
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
+        refresh_s: while jobs are resident, a new priority level's intake queue is read
+            within this many seconds of its first job.
     """
 
     def __init__(self, connection, models: list[str], active: Mapping, *,
-                 max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None):
+                 max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None,
+                 refresh_s: float = 1.0):
         self.connection = connection
         self.models = list(models)
         self.active = active
         self.max_active = max(1, max_active)
         self.kv_budget_bytes = kv_budget_bytes
         self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
+        self.refresh_s = refresh_s
         self._intake: list[Queue] | None = None
         self._intake_read_at = 0.0
 
@@ -67,13 +69,18 @@ class Admission:
 
     def queues(self, own: Queue) -> list[Queue]:
         """The queues to admit from now, in order (the worker's own queue first, then intake
-        by priority), or none while there is no room. Intake priorities are read from Redis
-        at most every `PRIORITIES_REFRESH_S` seconds."""
+        by priority), or none while there is no room. The intake priorities in use are read
+        from Redis at most every ``refresh_s`` seconds, and whenever `forget_priorities` was
+        called."""
         if not self.admitting():
             return []
-        if self._intake is None or time.monotonic() >= self._intake_read_at + PRIORITIES_REFRESH_S:
+        if self._intake is None or time.monotonic() >= self._intake_read_at + self.refresh_s:
             self._intake, self._intake_read_at = self.intake_by_priority(), time.monotonic()
         return [own, *self._intake]
+
+    def forget_priorities(self) -> None:
+        """Read the priorities in use again at the next `queues` (before blocking on intake)."""
+        self._intake = None
 
     def fits(self, kv_bytes: int) -> bool:
         """Whether a new job of `kv_bytes` fits. A job alone always fits (else it could

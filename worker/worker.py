@@ -127,8 +127,10 @@ class PrefillWorker(SimpleWorker):
         intake = [intake_queue(connection, m) for m in models]
         super().__init__([self.sticky, *intake], connection=connection, name=name,
                          serializer=MsgpackSerializer)
+        # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
-                                   kv_budget_bytes=kv_budget_bytes)
+                                   kv_budget_bytes=kv_budget_bytes,
+                                   refresh_s=self.heartbeat_ttl_s / 6)
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
                                logits_ttl_s=logits_ttl_s)
@@ -183,6 +185,7 @@ class PrefillWorker(SimpleWorker):
                 continue
             if self._stop_requested:
                 return None
+            self.admission.forget_priorities()
             self._ordered_queues = self.admission.queues(self.sticky) or [self.sticky]
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)

@@ -1,0 +1,95 @@
+"""The lean chunk loop: what one chunk costs Redis, and admission between chunks.
+
+Command counts come from ``INFO commandstats`` on a real redis-server (commands a script
+runs count too). A job's fixed cost (its one RQ execution, start, publish, the worker's own
+start and stop) is the same for the same prompt in 64 or 16 chunks, so the difference
+divided by 48 is what one chunk costs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from jobs import JobState, PrefillClient
+from worker.redis_server import RedisServer
+from worker.worker import PrefillWorker
+
+from .helpers import MODEL, assert_logits_match, ids
+
+# A chunk's round trip: EVALSHA of the checkpoint script, the HMGET, HSET and PUBLISH it
+# runs, and an LLEN of each queue the worker admits from (its own and one intake queue).
+MAX_COMMANDS_PER_CHUNK = 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+def commands(conn: redis.Redis) -> dict[str, int]:
+    """Calls per command so far (``INFO commandstats``), without INFO itself."""
+    stats = conn.info("commandstats")
+    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
+            if name != "cmdstat_info"}
+
+
+def run_job(server, tiny, token_ids, chunk_tokens: int, **worker_kwargs) -> dict[str, int]:
+    """Commands a fresh worker and client cost to prefill `token_ids`, by command."""
+    conn = redis.Redis.from_url(server.url)
+    conn.flushall()
+    # a heartbeat TTL far above the run: no beat or reap lands inside the measurement
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                           chunk_tokens=chunk_tokens, heartbeat_ttl_s=3600, **worker_kwargs)
+    worker.register_models()
+    client = PrefillClient(redis.Redis.from_url(server.url))
+    before = commands(conn)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
+    worker.work(burst=True, logging_level="WARNING")
+    after = commands(conn)
+    assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def test_one_chunk_costs_at_most_six_redis_commands(server, tiny):
+    token_ids = ids(1024, 1)
+    run_job(server, tiny, token_ids[:40], chunk_tokens=16)  # loads the scripts into Redis
+    many = run_job(server, tiny, token_ids, chunk_tokens=16)  # 64 chunks
+    few = run_job(server, tiny, token_ids, chunk_tokens=64)  # 16 chunks
+    per_chunk = (sum(many.values()) - sum(few.values())) / (64 - 16)
+    by_command = {k: (many.get(k, 0) - few.get(k, 0)) / 48 for k in many | few}
+    by_command = {k: v for k, v in by_command.items() if v}
+    assert per_chunk <= MAX_COMMANDS_PER_CHUNK, by_command
+    # nothing of RQ's bookkeeping is paid per chunk
+    assert {k for k, v in by_command.items() if v} <= {"evalsha", "hmget", "hset", "publish",
+                                                        "llen"}, by_command
+
+
+def test_fifty_short_jobs_each_start_within_one_chunk_of_a_free_slot(setup, on_chunk, tiny):
+    worker, client = setup(max_active=3)
+    longs = [client.submit(tokens=ids(640, s), model=MODEL) for s in (1, 2)]  # 40 chunks each
+    shorts: list[str] = []
+    short_ids, arrived = {}, []
+
+    def burst_of_shorts(job_id, chunk_no):
+        if job_id == longs[1] and chunk_no == 3 and not shorts:
+            for i in range(50):
+                short_ids[i] = ids(12, 100 + i)  # one chunk each
+                shorts.append(client.submit(tokens=short_ids[i], model=MODEL))
+            arrived.append(len(log.order))  # the position of the next chunk
+
+    log = on_chunk(burst_of_shorts)
+    worker.work(burst=True)
+    first = {j: log.order.index(j) for j in shorts}
+    # the first waits at most for the chunk in progress; then the slot frees after each one
+    assert first[shorts[0]] - arrived[0] <= 1
+    for prev, nxt in zip(shorts, shorts[1:], strict=False):
+        assert first[nxt] - first[prev] <= 2, "a short job waited more than one chunk"
+    assert all(log.order.count(j) == 1 for j in shorts)
+    for i, j in enumerate(shorts):
+        assert client.status(j).state == JobState.FINISHED
+        if i % 10 == 0:
+            assert_logits_match(client.result(j, timeout=0), tiny, short_ids[i])
+    assert all(log.order.count(j) == 40 for j in longs)
+    assert_logits_match(client.result(longs[0], timeout=0), tiny, ids(640, 1))
