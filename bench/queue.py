@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from jobs import PrefillClient, PrefillResult
 from model.registry import LoadedModel
 from worker.embedded import embedded_queue, url_connections
-from worker.redis_server import RedisServer
+from worker.redis_server import RedisServer, calls_since, command_calls
 from worker.worker import PrefillWorker
 
 from .common import Recorder, log, prompt_ids
@@ -23,47 +24,78 @@ def _queue(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, Pref
     return queue.worker, queue.client()
 
 
+@dataclass
+class QueuedPrefill:
+    """Submits token ids to its redis-server and runs the in-process worker until the queue
+    is empty (``work(burst=True)``); calling it returns the job's result. Its
+    ``timings["prefill_s"]`` spans the job's first start to ``finished``: the job's one RQ
+    execution (admission), every chunk's round trip (fenced checkpoint, cancel flags, intake
+    lengths), then the final logits, top-k and publish; worker start-up and queue wait are
+    outside it."""
+
+    worker: PrefillWorker
+    client: PrefillClient
+    model: str
+    top_k: int
+
+    @property
+    def redis(self):
+        return self.client.redis
+
+    def __call__(self, ids: list[int], **submit_kwargs) -> PrefillResult:
+        job = self.client.submit(tokens=ids, model=self.model, top_k=self.top_k,
+                                 **submit_kwargs)
+        self.worker.work(burst=True, logging_level="WARNING")
+        return self.client.result(job, timeout=0)
+
+
 @contextmanager
 def queued_prefill(loaded: LoadedModel, top_k: int = 5, **worker_kwargs
-                   ) -> Iterator[Callable[[list[int]], PrefillResult]]:
-    """A callable that submits token ids to a fresh redis-server, runs the in-process worker
-    (`PrefillWorker` with `worker_kwargs`) until the queue is empty (``work(burst=True)``)
-    and returns the job's result. Its ``timings["prefill_s"]`` spans the job's first start
-    to ``finished``: every chunk's RQ dequeue, cancel check, fenced checkpoint and
-    continuation enqueue, then the final logits, top-k and publish; worker start-up and
-    queue wait are outside it."""
+                   ) -> Iterator[QueuedPrefill]:
+    """A `QueuedPrefill` of `loaded` on a fresh redis-server (`PrefillWorker` options in
+    `worker_kwargs`)."""
     with RedisServer() as server:
-        url = server.url
-        worker, client = _queue(url, loaded, **worker_kwargs)
-
-        def run(ids: list[int]) -> PrefillResult:
-            job = client.submit(tokens=ids, model=loaded.name, top_k=top_k)
-            worker.work(burst=True, logging_level="WARNING")
-            return client.result(job, timeout=0)
-
-        yield run
+        worker, client = _queue(server.url, loaded, **worker_kwargs)
+        yield QueuedPrefill(worker, client, loaded.name, top_k)
 
 
 def queue_overhead_per_chunk(rec: Recorder, chunks: int = 64, chunk_tokens: int = 16,
                              repeats: int = 3) -> None:
-    """Wall milliseconds per chunk that are not forward passes, on the tiny synthetic Gemma 3
-    (so the forward is ~1 ms and the queue's own cost stands out): every chunk's RQ dequeue
-    and bookkeeping, cancel check, fenced checkpoint and continuation enqueue, through a
-    real redis-server. This is what a chunk costs beyond compute on a fast GPU."""
+    """What the queue costs one chunk beyond its forward pass, on the tiny synthetic Gemma 3
+    (a forward pass of ~1-10 ms, so the queue's own cost stands out), through a real
+    redis-server: the wall milliseconds per chunk outside forward passes (the job's fixed
+    cost included, spread over its chunks), and the Redis commands one more chunk costs
+    (``INFO commandstats`` of the same prompt in `chunks` and in `chunks` / 4 chunks,
+    differenced, so the job's fixed cost cancels). This is what a chunk costs beyond
+    compute on a fast GPU."""
     from model.registry import load_model
 
     tiny = load_model("gemma3-tiny")
     ids = [i % tiny.vocab_size for i in range(chunks * chunk_tokens)]
     log(f"queue overhead per chunk: {chunks} chunks of {chunk_tokens} tokens, tiny model")
     per_chunk = []
-    with queued_prefill(tiny, top_k=1, chunk_tokens=chunk_tokens) as submit_and_work:
-        for _ in range(repeats + 1):  # the first run warms MLX and the scripts
-            result = submit_and_work(ids)
+    # the worker heartbeats far apart: none of its beats lands inside a measured run
+    with queued_prefill(tiny, top_k=1, heartbeat_ttl_s=3600) as queued:
+        for _ in range(repeats + 1):  # the first run warms MLX and loads the scripts
+            result = queued(ids, chunk_tokens=chunk_tokens)
             t = result.timings
             per_chunk.append((t["prefill_s"] - t["compute_s"]) / result.chunks_done)
-    rec("queue_overhead_ms_per_chunk", min(per_chunk[1:]) * 1e3, "ms",
-        chunks=result.chunks_done,
-        chunk_tokens=chunk_tokens, model=tiny.name, repeats=repeats)
+        spent = [_commands(queued, ids, size) for size in (chunk_tokens, 4 * chunk_tokens)]
+    rec("queue_overhead_ms_per_chunk", min(per_chunk[1:]) * 1e3, "ms", ceiling=1.0,
+        chunks=result.chunks_done, chunk_tokens=chunk_tokens, model=tiny.name,
+        repeats=repeats, how="min over repeats of (prefill_s - compute_s) / chunks")
+    fewer = chunks - chunks // 4
+    by_command = {k: round((spent[0].get(k, 0) - spent[1].get(k, 0)) / fewer, 3)
+                  for k in spent[0] | spent[1]}
+    rec("redis_commands_per_chunk", sum(by_command.values()), "commands", ceiling=6,
+        by_command={k: v for k, v in by_command.items() if v}, chunks=(chunks, chunks // 4),
+        model=tiny.name, how="INFO commandstats, same prompt in 64 vs 16 chunks, differenced")
+
+
+def _commands(queued: QueuedPrefill, ids: list[int], chunk_tokens: int) -> dict[str, int]:
+    before = command_calls(queued.redis)
+    queued(ids, chunk_tokens=chunk_tokens)
+    return calls_since(queued.redis, before)
 
 
 def _latency(client: PrefillClient, job: str) -> float:

@@ -19,6 +19,20 @@ import redis
 START_TIMEOUT_S = 10.0
 
 
+def command_calls(conn: redis.Redis) -> dict[str, int]:
+    """Calls per command since the server started (``INFO commandstats``; a command a Lua
+    script runs counts too), without INFO itself."""
+    stats = conn.info("commandstats")
+    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
+            if name != "cmdstat_info"}
+
+
+def calls_since(conn: redis.Redis, before: dict[str, int]) -> dict[str, int]:
+    """`command_calls` now minus `before`, only the commands that were called."""
+    after = command_calls(conn)
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
 class RedisServerError(RuntimeError):
     """redis-server is missing or did not start."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.common import Recorder, interleaved
 from bench.profile import profile
 from bench.queue import queue_overhead_per_chunk
@@ -39,10 +41,13 @@ def test_queued_prefill_runs_a_job_through_a_real_redis(tiny):
 def test_queue_overhead_is_measured_through_a_real_redis(capsys):
     rec = Recorder(True, {})
     queue_overhead_per_chunk(rec, chunks=8, chunk_tokens=4, repeats=1)
-    record = json.loads(capsys.readouterr().out.strip())
-    assert record["metric"] == "queue_overhead_ms_per_chunk"
-    assert record["unit"] == "ms" and record["chunks"] == 8
-    assert 0 < record["value"] < 10_000
+    overhead, commands = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert overhead["metric"] == "queue_overhead_ms_per_chunk"
+    assert overhead["unit"] == "ms" and overhead["chunks"] == 8
+    assert 0 < overhead["value"] < 10_000
+    assert commands["metric"] == "redis_commands_per_chunk"
+    assert commands["value"] == pytest.approx(sum(commands["by_command"].values()))
+    assert commands["by_command"]["evalsha"] == pytest.approx(1.0)  # one script per chunk
 
 
 def test_profile_groups_add_up_to_a_chunk(tiny):

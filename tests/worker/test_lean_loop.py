@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from jobs import JobState, PrefillClient
-from worker.redis_server import RedisServer
+from worker.redis_server import RedisServer, calls_since, command_calls
 from worker.worker import PrefillWorker
 
 from .helpers import MODEL, assert_logits_match, ids
@@ -28,13 +28,6 @@ def server():
         yield srv
 
 
-def commands(conn: redis.Redis) -> dict[str, int]:
-    """Calls per command so far (``INFO commandstats``), without INFO itself."""
-    stats = conn.info("commandstats")
-    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
-            if name != "cmdstat_info"}
-
-
 def run_job(server, tiny, token_ids, chunk_tokens: int, **worker_kwargs) -> dict[str, int]:
     """Commands a fresh worker and client cost to prefill `token_ids`, by command."""
     conn = redis.Redis.from_url(server.url)
@@ -44,12 +37,12 @@ def run_job(server, tiny, token_ids, chunk_tokens: int, **worker_kwargs) -> dict
                            chunk_tokens=chunk_tokens, heartbeat_ttl_s=3600, **worker_kwargs)
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
-    before = commands(conn)
+    before = command_calls(conn)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
     worker.work(burst=True, logging_level="WARNING")
-    after = commands(conn)
+    spent = calls_since(conn, before)
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    return spent
 
 
 def test_one_chunk_costs_at_most_six_redis_commands(server, tiny):
