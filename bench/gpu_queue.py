@@ -1,0 +1,94 @@
+"""The queue's cost on a GPU: a prefill through a real redis-server and an in-process worker
+against the same prefill in process, side by side (bf16, Gemma 3 270M shapes, random weights).
+
+    python -m bench.gpu_queue [--repeats N] [--out FILE]
+
+One JSON line per measurement. The runs alternate (in process, queued, queued, in process,
+...) and each side keeps its fastest. In process: `start_prefill` then `Prefill.run` (cache
+allocation, every chunk, the final logits). Queued: the job's ``prefill_s`` (its first start,
+after the cache is allocated, to ``finished``: its one RQ execution, a round trip per chunk,
+the final logits, top-k and publish). Jobs carry token ids and ask for no top-k, so the
+random-weight model needs no tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from model.prefill import start_prefill
+from model.registry import LoadedModel
+
+from .common import Recorder, log, refuse_existing
+from .gpu import GEMMA3_270M, gemma3_model
+from .queue import queued_prefill
+
+CASES = ((8192, 2048), (32_768, 2048))
+
+
+def in_process_seconds(loaded: LoadedModel, ids: list[int], chunk: int) -> float:
+    t0 = time.perf_counter()
+    prefill = start_prefill(loaded.model, ids, vocab_size=loaded.vocab_size,
+                            context_length=loaded.context_length, chunk_tokens=chunk,
+                            kv_dtype=loaded.dtype)
+    prefill.run()
+    return time.perf_counter() - t0
+
+
+def random_gemma3() -> LoadedModel:
+    """Gemma 3 270M shapes with random bf16 weights, served under its own name."""
+    return LoadedModel(
+        name="gemma3-270m-shapes", architecture="gemma3", model=gemma3_model(),
+        tokenizer=None,  # token-id jobs with top_k=0 never touch it
+        context_length=GEMMA3_270M.context_length, vocab_size=GEMMA3_270M.vocab_size,
+        dtype=mx.bfloat16, sha256="random-weights", path=Path("-"), load_seconds=0.0)
+
+
+def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, chunk: int,
+                          repeats: int) -> None:
+    ids = mx.random.randint(0, loaded.vocab_size, (n,)).tolist()
+    with queued_prefill(loaded, top_k=0) as queued:
+        in_process_seconds(loaded, ids, chunk)  # compile kernels, warm the allocator
+        queued(ids, chunk_tokens=chunk)  # load the scripts
+        sides: dict[str, list[float]] = {"in_process": [], "queued": []}
+        for r in range(repeats):
+            for side in ("in_process", "queued") if r % 2 == 0 else ("queued", "in_process"):
+                if side == "in_process":
+                    sides[side].append(in_process_seconds(loaded, ids, chunk))
+                else:
+                    sides[side].append(queued(ids, chunk_tokens=chunk).timings["prefill_s"])
+    fast = {side: min(seconds) for side, seconds in sides.items()}
+    chunks = -(-n // chunk)
+    rec("gpu_queue_over_in_process", fast["in_process"] / fast["queued"], "ratio", floor=0.95,
+        n_tokens=n, chunk_tokens=chunk, chunks=chunks, repeats=repeats,
+        in_process_tok_s=round(n / fast["in_process"]), queued_tok_s=round(n / fast["queued"]),
+        queue_ms_per_chunk=round((fast["queued"] - fast["in_process"]) / chunks * 1e3, 3),
+        model="gemma3-270m shapes", dtype="bfloat16",
+        how="alternating runs, fastest of each; queued = the job's prefill_s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_queue", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=6, help="runs per side (default %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the context and every record here")
+    args = p.parse_args(argv)
+    if mx.default_device() != mx.gpu:
+        p.error(f"no GPU: MLX's default device is {mx.default_device()}")
+    refuse_existing(p, args.out)
+    context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+               "mlx": mx.__version__}
+    rec = Recorder(True, context, args.out)
+    loaded = random_gemma3()
+    for n, chunk in CASES:
+        log(f"queue vs in process: {n} tokens in {chunk}-token chunks")
+        queue_over_in_process(rec, loaded, n, chunk, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
