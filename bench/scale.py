@@ -37,7 +37,8 @@ from .common import Recorder, log, refuse_existing
 
 MODEL = "gemma3-tiny"
 CHUNK_TOKENS = 16
-# An H200 runs a 2,048-token Gemma 3 270M chunk in ~13 ms (bench/results/gpu-h200-*.jsonl).
+# An H200 runs a 2,048-token Gemma 3 270M chunk in ~13 ms (157K tok/s; the H200 runs in
+# docs/benchmarks.md measured 143K-161K tok/s at 2,048-token chunks).
 GPU_CHUNKS_PER_S = 77.0
 # Redis runs commands on one thread: a primary has one core for them.
 REDIS_CORES = 1.0
@@ -231,6 +232,7 @@ def _context(args: argparse.Namespace) -> dict:
                                    text=True).stdout.strip()
     return {"date": datetime.date.today().isoformat(), "commit": commit,
             "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
+            "load_average_1m": round(os.getloadavg()[0], 2),
             "redis": redis_version, "suite": "scale", "workers": args.workers,
             "jobs": args.jobs, "chunks_per_job": args.chunks_per_job,
             "warmup_s": args.warmup, "window_s": args.seconds}
