@@ -68,3 +68,23 @@ def test_bounded_records_say_whether_they_hold(capsys):
     assert [r.get("holds") for r in lines] == [False, True, None]
     assert rec.bounds_report() == ["MISSED a_over_b = 0.93 (want >= 0.95)",
                                    "holds  wait = 0.7 (want <= 1.5)"]
+
+
+def test_scale_runs_worker_processes_on_one_redis(capsys, tmp_path):
+    from bench.scale import main
+
+    out = tmp_path / "scale.jsonl"
+    assert main(["--workers", "2", "--jobs", "4", "--chunks-per-job", "16", "--warmup", "0",
+                 "--seconds", "1.5", "--json", "--out", str(out)]) == 0
+    records = {r["metric"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(records) == {"scale_chunks_per_s", "scale_redis_commands_per_s",
+                            "scale_redis_commands_per_chunk", "scale_redis_cpu_fraction",
+                            "scale_redis_cpu_us_per_chunk", "gpu_workers_per_redis_primary"}
+    for r in records.values():
+        assert r["workers"] == 2 and r["jobs"] == 4 and r["chunk_tokens"] == 16
+        assert r["machine_cores"] >= 1 and 0 < r["chunks"] <= 4 * 16
+        assert r["window_s"] >= 1.5 and r["value"] > 0
+    per_chunk = records["scale_redis_commands_per_chunk"]
+    assert per_chunk["by_command"]["evalsha"] > 0  # the chunk's checkpoint script
+    assert records["scale_redis_cpu_fraction"]["value"] < 1
+    assert json.loads(out.read_text().splitlines()[0])["context"]["workers"] == 2
