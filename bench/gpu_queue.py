@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 from pathlib import Path
 
@@ -62,19 +63,23 @@ def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, chunk: int
                 else:
                     sides[side].append(queued(ids, chunk_tokens=chunk).timings["prefill_s"])
     fast = {side: min(seconds) for side, seconds in sides.items()}
+    middle = {side: statistics.median(seconds) for side, seconds in sides.items()}
     chunks = -(-n // chunk)
     rec("gpu_queue_over_in_process", fast["in_process"] / fast["queued"], "ratio", floor=0.95,
         n_tokens=n, chunk_tokens=chunk, chunks=chunks, repeats=repeats,
         in_process_tok_s=round(n / fast["in_process"]), queued_tok_s=round(n / fast["queued"]),
         queue_ms_per_chunk=round((fast["queued"] - fast["in_process"]) / chunks * 1e3, 3),
+        median_ratio=round(middle["in_process"] / middle["queued"], 4),
         model="gemma3-270m shapes", dtype="bfloat16",
-        how="alternating runs, fastest of each; queued = the job's prefill_s")
+        how="alternating runs, fastest of each (and the medians' ratio); queued = the "
+            "job's prefill_s")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_queue", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=6, help="runs per side (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=16,
+                   help="runs per side (default %(default)s)")
     p.add_argument("--out", type=Path, help="also write the context and every record here")
     args = p.parse_args(argv)
     if mx.default_device() != mx.gpu:
