@@ -15,6 +15,7 @@ intake. When Redis stays unreachable for ``heartbeat_ttl_s`` after the signal, `
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -185,15 +186,30 @@ class PrefillWorker(SimpleWorker):
                 continue
             if self._stop_requested:
                 return None
-            self.admission.forget_priorities()
-            self._ordered_queues = self.admission.queues(self.sticky) or [self.sticky]
             try:
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                return self._block_on_intake(timeout, max_idle_time)
             except Exception as error:
                 if not refused_write(error):
                     raise
                 log.warning("Redis refused a write while dequeuing (%s); waiting", error)
                 time.sleep(self.heartbeat_ttl_s / 6)
+
+    def _block_on_intake(self, timeout, max_idle_time):
+        """RQ's blocking dequeue (a single look in burst mode, `timeout` None), in waits of
+        about ``heartbeat_ttl_s / 6`` after each of which the priorities in use are read
+        again, so a job of a priority no queue had before is seen within one wait."""
+        idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
+        while True:
+            self.admission.forget_priorities()
+            self._ordered_queues = self.admission.queues(self.sticky) or [self.sticky]
+            if timeout is None:
+                return super().dequeue_job_and_maintain_ttl(None, max_idle_time)
+            wait = max(1, math.ceil(self.admission.refresh_s))
+            result = super().dequeue_job_and_maintain_ttl(wait, wait)
+            if result is not None or self._stop_requested:
+                return result
+            if idle_until is not None and time.monotonic() >= idle_until:
+                return None
 
     def _admit_between_chunks(self) -> tuple[Job, Queue] | None:
         """A job to admit now, without blocking, if the last round trip saw one waiting."""

@@ -8,6 +8,9 @@ divided by 48 is what one chunk costs.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import redis
 
@@ -86,3 +89,32 @@ def test_fifty_short_jobs_each_start_within_one_chunk_of_a_free_slot(setup, on_c
             assert_logits_match(client.result(j, timeout=0), tiny, short_ids[i])
     assert all(log.order.count(j) == 40 for j in longs)
     assert_logits_match(client.result(longs[0], timeout=0), tiny, ids(640, 1))
+
+
+def test_an_idle_worker_sees_a_new_priority_within_one_wait(server, tiny):
+    """A blocked worker re-reads the priorities in use every heartbeat_ttl / 6 (here 1 s)."""
+    conn = redis.Redis.from_url(server.url)
+    conn.flushall()
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                           chunk_tokens=16, heartbeat_ttl_s=2)
+    worker.register_models()
+    client = PrefillClient(redis.Redis.from_url(server.url))
+    done = {}
+
+    def submit_then_stop():
+        time.sleep(1.5)  # the worker is blocked on the priority-0 queues by now
+        job = client.submit(tokens=ids(40, 5), model=MODEL, priority=9)
+        try:
+            done["result"] = client.result(job, timeout=20)
+            done["status"] = client.status(job)
+        finally:
+            worker._stop_requested = True  # RQ's own stop flag: the wait ends within 1 s
+
+    thread = threading.Thread(target=submit_then_stop)
+    thread.start()
+    worker.work(burst=False, logging_level="WARNING")
+    thread.join()
+    status = done["status"]
+    assert status.state == JobState.FINISHED
+    assert status.started_at - status.enqueued_at < 2.5, "the new priority waited too long"
+    assert_logits_match(done["result"], tiny, ids(40, 5))
