@@ -17,7 +17,7 @@ from pathlib import Path
 from .client import PrefillClient, redis_url
 from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
 from .errors import JobCanceled, JobFailed
-from .schema import JobStatus, PrefillResult
+from .schema import JobState, JobStatus, PrefillResult
 
 SAMPLE_PROMPT = "The capital of France is"
 
@@ -67,8 +67,10 @@ def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dic
     if "tokens_file" in chosen:
         try:
             tokens = json.loads(Path(chosen["tokens_file"]).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except OSError as e:
             raise CLIError(f"--tokens-file: {e}") from e
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--tokens-file must hold a JSON array of integers: {e}") from e
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise CLIError("--tokens-file must hold a JSON array of integers")
         return {"tokens": tokens}
@@ -144,15 +146,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         total = status.n_tokens if status.n_tokens is not None else "?"
         print(f"{status.job_id}: {status.state.value} {status.cursor}/{total} tokens, "
-              f"{status.chunks_done} chunks, attempt {status.attempts}"
+              f"{status.chunks_done} chunk{'' if status.chunks_done == 1 else 's'}, "
+              f"attempt {status.attempts}"
               + (" (cancel requested)" if status.cancel_requested else ""))
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    changed = PrefillClient.from_url(args.redis).cancel(args.job)
-    print("cancel requested" if changed else
-          "nothing to cancel: the job already ended, or a cancel is already pending")
+    client = PrefillClient.from_url(args.redis)
+    if not client.cancel(args.job):
+        print("nothing to cancel: the job already ended, or a cancel is already pending")
+    elif client.status(args.job).state == JobState.CANCELED:
+        print("canceled")  # it had not started
+    else:
+        print("cancel requested: the job stops at its next chunk boundary")
     return 0
 
 
@@ -182,7 +189,7 @@ def add_submit(sub) -> None:
     src = submit.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
-    src.add_argument("--tokens-file", help="JSON array of token ids")
+    src.add_argument("--tokens-file", help="a file holding a JSON array of token ids")
     submit.add_argument("--model", default=DEFAULT_MODEL)
     submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help=f"top next tokens to keep (default {DEFAULT_TOP_K})")

@@ -9,18 +9,16 @@ import sys
 from jobs import keys
 from jobs.serializer import packb
 
-# Runs `prefillq ARGS` with the worker's heavy packages made unimportable.
-BLOCKED = ("mlx", "numpy", "model", "tqdm", "fakeredis", "gguf", "tokenizers")
-LIGHT = (
-    "import sys\n"
-    f"for name in {BLOCKED!r}: sys.modules[name] = None\n"
-    "from worker.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
+# What an install of the light client lacks (`prefillq[worker]` adds it).
+WORKER_EXTRA = ("mlx", "numpy", "tqdm", "fakeredis", "gguf", "tokenizers")
 
 
-def light_prefillq(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", LIGHT, *args], capture_output=True, text=True,
+def light_prefillq(*args: str, blocked=("model", *WORKER_EXTRA)) -> subprocess.CompletedProcess:
+    """`prefillq ARGS` with `blocked` packages made unimportable (by default also model/,
+    so a client command that imported it would fail)."""
+    code = (f"import sys\nfor name in {tuple(blocked)!r}: sys.modules[name] = None\n"
+            "from worker.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=60)
 
 
@@ -40,7 +38,7 @@ def test_submit_status_cancel_result_and_reap_need_no_mlx(redis_server):
     assert json.loads(status.stdout)["state"] == "queued"
 
     cancel = light_prefillq("cancel", "--redis", redis_server, job_id)
-    assert cancel.returncode == 0 and "cancel requested" in cancel.stdout
+    assert cancel.returncode == 0 and cancel.stdout.strip() == "canceled"  # it had not started
 
     result = light_prefillq("result", "--redis", redis_server, job_id)
     assert result.returncode == 1 and "canceled" in result.stderr
@@ -54,3 +52,32 @@ def test_the_light_client_refuses_a_bad_request_in_one_line(redis_server):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         proc.stderr.strip()] and "no registered worker serves model 'nope'" in proc.stderr
+
+
+def test_worker_commands_in_the_light_client_fail_in_one_line(redis_server):
+    import redis
+
+    r = redis.Redis.from_url(redis_server)
+    r.flushall()
+    r.hset(keys.MODELS, "m", packb({"vocab_size": 100, "context_length": 64,
+                                    "architecture": "gemma3", "sha256": "0" * 64}))
+    # `run --redis` is a client: it submits and waits, with no progress bar (tqdm is absent)
+    waited = light_prefillq("run", "--redis", redis_server, "--model", "m", "hi", "--wait", "1",
+                            blocked=WORKER_EXTRA)
+    assert waited.returncode == 2
+    assert waited.stderr.strip().splitlines()[-1].endswith("is still queued")
+    assert "Traceback" not in waited.stderr
+    for args in (("run", "hi"), ("plan", "--model", "deepseek4-flash")):
+        proc = light_prefillq(*args, blocked=WORKER_EXTRA)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            f"prefillq: error: `prefillq {args[0]}` needs the worker extra (missing mlx): "
+            "pip install 'prefillq[worker]'"]
+
+
+def test_a_closed_stdout_is_not_an_error():
+    proc = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m worker plan --model "
+         "deepseek4-flash | head -1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("deepseek4-flash: 43 layers") and proc.stderr == ""

