@@ -16,18 +16,14 @@ from jobs.defaults import (
 
 from .loading import load_models
 
-log = logging.getLogger("prefillq")
-
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from model.runtime.blas import blas_summary
     from worker.connection import worker_connection
     from worker.worker import PrefillWorker
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    log.info("BLAS: %s", blas_summary())
     models = load_models(args.model or [DEFAULT_MODEL], args.context)
     worker = PrefillWorker(
         models,
