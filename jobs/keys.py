@@ -32,7 +32,7 @@ WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
 PRIORITIES = PREFIX + ":priorities:{model}"
 
 # RQ queue names: one shared intake queue per model and priority (priority 0 has the plain
-# name), one sticky queue per worker.
+# name), and each worker's own queue (jobs routed to it).
 INTAKE_QUEUE = "prefill:{model}"
 PRIORITY_INTAKE_QUEUE = "prefill:{model}:p{priority}"
 STICKY_QUEUE = "prefill:w:{worker}"

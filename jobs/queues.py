@@ -1,9 +1,10 @@
-"""The RQ queue layout: intake queues per model and priority, one sticky queue per worker.
+"""The RQ queue layout: intake queues per model and priority, and each worker's own queue.
 
 A job enters through its model's intake queue (``keys.intake_queue``; one queue per priority
-that has ever been used, listed in ``keys.priorities``). Once a worker holds a job's KV cache,
-the job's continuations go to that worker's sticky queue (``keys.sticky_queue``). Every RQ job
-here is one execution of `CHUNK_FUNCTION` with the prefillq job id as its only argument.
+that has ever been used, listed in ``keys.priorities``), or through one worker's own queue
+(``keys.sticky_queue``) when it is routed to that worker. Every RQ job here is the one
+execution of `CHUNK_FUNCTION` that admits a prefillq job (its id the only argument): the
+worker starts the job, runs its first chunk, and runs the rest in its own loop.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
 
 
 def sticky_queue(redis: Redis, worker: str) -> Queue:
-    """The RQ queue of the continuations of the jobs whose caches `worker` holds."""
+    """The RQ queue of the jobs routed to `worker`, which it admits before intake."""
     return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer)
 
 
@@ -45,9 +46,9 @@ def intake_depth(redis: Redis, model: str) -> int:
 
 
 def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
-    """Put one chunk execution of `job_id` on `queue` (an RQ job with a fresh id).
+    """Put the admitting execution of `job_id` on `queue` (an RQ job with a fresh id).
 
-    Chunks never time out inside RQ: a chunk is bounded by its token count, and an
+    It never times out inside RQ: it runs one chunk, bounded by its token count, and an
     exception thrown into MLX work would leave the cache half written.
     """
     queue.enqueue_call(
@@ -69,9 +70,12 @@ def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline) 
     enqueue_chunk(intake_queue(redis, model, priority), job_id, pipeline=pipeline)
 
 
-def requeue_to_intake(redis: Redis, job_id: str, pipeline) -> None:
-    """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline`)."""
+def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,
+                      at_front: bool = False) -> None:
+    """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline` when
+    given; at the queue's head with `at_front`). A stray execution of a job that is not
+    queued any more is skipped by the worker's START."""
     model, priority = redis.hmget(keys.job(job_id), "model", "priority")
     if model is not None:  # an expired record needs no RQ job
         queue = intake_queue(redis, model.decode(), int(priority or 0))
-        enqueue_chunk(queue, job_id, pipeline=pipeline)
+        enqueue_chunk(queue, job_id, pipeline=pipeline, at_front=at_front)

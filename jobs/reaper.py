@@ -60,7 +60,8 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
                 outcome = pipe.execute()[0].decode()
             reaped.append(Reaped(worker, job_id, outcome))
             log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)
-        # its sticky queue holds only continuations of caches that no longer exist
+        # its own queue holds only jobs routed to it, and nothing routes jobs to a worker yet;
+        # once something does, those must move to intake here instead of being deleted
         sticky_queue(redis, worker).delete(delete_jobs=True)
         redis.delete(keys.worker_jobs(worker))
         redis.srem(keys.WORKERS, worker)

@@ -29,7 +29,7 @@ import numpy as np
 from jobs import keys
 from jobs.defaults import MAX_ERROR_CHARS
 from jobs.errors import EmptyPrompt, PromptTooLong, TokenOutOfRange
-from jobs.queues import enqueue_chunk, intake_queue, requeue_to_intake
+from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
 from jobs.requests import check_token_ids
 from jobs.schema import LogitsMode, now
@@ -157,12 +157,7 @@ class Stepper:
 
     def advance_cancel(self, active: ActiveJob) -> None:
         """Record `canceled` for a resident job (its own refused write parks it only)."""
-        try:
-            self.checkpoint(active)
-        except Exception as error:
-            if not refused_write(error):
-                raise
-            self._refused(active.job_id, error)
+        self._guarded(active.job_id, self.checkpoint, active)
 
     # -- start --------------------------------------------------------------------------
 
@@ -346,7 +341,7 @@ class Stepper:
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown). A hand-back Redis refuses
-        is parked in `unsettled`; one that fails otherwise leaves the job in `active`."""
+        is parked (`parked`); one that fails otherwise leaves the job in `active`."""
         for active in list(self.active.values()):
             try:
                 self.requeue(active)
@@ -373,8 +368,10 @@ class Stepper:
         (its cache is dropped), or put a job that was not taken back on intake; a write
         that is refused again is parked for `settle`."""
         active = self.active.get(job_id)
-        if active is None:
-            self.parked.park(job_id, "re-enqueue", lambda: self._reenqueue(job_id), error)
+        if active is None:  # not taken: back to the head of its intake queue
+            self.parked.park(job_id, "re-enqueue",
+                             lambda: requeue_to_intake(self.connection, job_id, at_front=True),
+                             error)
             return
         self.drop(active, deregister=False)
         message = (f"Redis refused a write of this job under its maxmemory/noeviction policy "
@@ -386,9 +383,3 @@ class Stepper:
     def settle(self) -> int:
         """Retry the transitions Redis refused earlier (`ParkedWrites.settle`)."""
         return self.parked.settle()
-
-    def _reenqueue(self, job_id: str) -> None:
-        record = JobRecord.from_hash(job_id, self.connection.hgetall(keys.job(job_id)))
-        if record.model:  # an expired record needs no RQ job; START skips a stray one
-            queue = intake_queue(self.connection, record.model, record.priority)
-            enqueue_chunk(queue, job_id, at_front=True)

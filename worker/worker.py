@@ -95,7 +95,7 @@ class PrefillWorker(SimpleWorker):
         models: loaded models by registry name.
         connection: Redis connection (bytes responses); `worker.connection.worker_connection`
             gives one that rides out outages.
-        name: worker name (also names its sticky queue); default host-pid-random.
+        name: worker name (also names its own queue); default host-pid-random.
         chunk_tokens: cap on chunk size in tokens when this worker plans a job (a job's own
             cap may be smaller; a job planned before keeps its recorded plan).
         max_active: jobs resident at once.
@@ -213,8 +213,10 @@ class PrefillWorker(SimpleWorker):
 
     def _admit_between_chunks(self) -> tuple[Job, Queue] | None:
         """A job to admit now, without blocking, if the last round trip saw one waiting."""
+        if not self.stepper.intake_waiting:
+            return None
         queues = self.admission.queues(self.sticky)
-        if not queues or not self.stepper.intake_waiting:
+        if not queues:
             return None
         self.stepper.intake_waiting = False  # until the next round trip says otherwise
         result = self.queue_class.dequeue_any(
@@ -274,7 +276,7 @@ class PrefillWorker(SimpleWorker):
     def teardown(self) -> None:
         self.hand_back_active()
         self.stepper.settle()
-        try:  # continuations of handed-back jobs: nobody holds their caches any more
+        try:  # its own queue: jobs routed to this worker (none are yet)
             self.sticky.delete(delete_jobs=True)
         except Exception:
             log.warning("could not delete sticky queue %s", self.sticky.name, exc_info=True)
