@@ -15,11 +15,10 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
-from .common import Recorder, load_or_exit, log, refuse_existing
+from .common import Recorder, git_commit, load_or_exit, log, refuse_existing
 
 QUICK_TOKENS = 4096
 
@@ -41,9 +40,7 @@ def _context() -> dict:
     from model.runtime.blas import blas_summary
     from model.runtime.streams import cpu_streams
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"date": datetime.date.today().isoformat(), "commit": commit,
+    return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
             "machine": f"{platform.machine()}, {_cpu_name()}, {os.cpu_count()} cores",
             "device": str(mx.default_device()), "mlx": mx.__version__,
             "blas": blas_summary(), "cpu_streams": cpu_streams()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -109,6 +110,13 @@ def load_or_exit(parser: argparse.ArgumentParser, name: str):
         return load_model(name)
     except (ModelNotFound, ValueError) as e:
         parser.error(str(e.args[0]) if e.args else str(e))
+
+
+def git_commit() -> str:
+    """The checkout's short commit id (empty outside a git checkout), for a results file's
+    context line."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def log(message: str) -> None:

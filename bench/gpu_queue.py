@@ -24,7 +24,7 @@ import mlx.core as mx
 from model.prefill import start_prefill
 from model.registry import LoadedModel
 
-from .common import Recorder, log, refuse_existing
+from .common import Recorder, git_commit, log, refuse_existing
 from .gpu import GEMMA3_270M, gemma3_model
 from .queue import queued_prefill
 
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if mx.default_device() != mx.gpu:
         p.error(f"no GPU: MLX's default device is {mx.default_device()}")
     refuse_existing(p, args.out)
-    context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
-               "mlx": mx.__version__}
+    context = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+               "device": str(mx.default_device()), "mlx": mx.__version__}
     rec = Recorder(True, context, args.out)
     loaded = random_gemma3()
     for n, chunk in CASES:

@@ -31,9 +31,9 @@ import redis
 from jobs import PrefillClient, keys
 from jobs.defaults import DEFAULT_MAX_ACTIVE
 from jobs.queues import intake_depth
-from worker.redis_server import RedisServer
+from worker.redis_server import RedisServer, calls_by_command
 
-from .common import Recorder, log, refuse_existing
+from .common import Recorder, git_commit, log, refuse_existing
 
 MODEL = "gemma3-tiny"
 CHUNK_TOKENS = 16
@@ -84,8 +84,7 @@ def snapshot(conn: redis.Redis, job_ids: list[str], info_first: bool) -> Snapsho
     done = replies[2:] if info_first else replies[:-2]
     return Snapshot(
         at=at,
-        commands={name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
-                  if name != "cmdstat_info"},
+        commands=calls_by_command(stats),
         usec=sum(s["usec"] for name, s in stats.items() if name != "cmdstat_info"),
         cpu_s=cpu["used_cpu_sys"] + cpu["used_cpu_user"],
         chunks=sum(int(n or 0) for n in done),
@@ -226,11 +225,9 @@ def report(rec: Recorder, args: argparse.Namespace, w: Window) -> None:
 
 
 def _context(args: argparse.Namespace) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True,
                                    text=True).stdout.strip()
-    return {"date": datetime.date.today().isoformat(), "commit": commit,
+    return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
             "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
             "load_average_1m": round(os.getloadavg()[0], 2),
             "redis": redis_version, "suite": "scale", "workers": args.workers,

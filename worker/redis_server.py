@@ -19,12 +19,16 @@ import redis
 START_TIMEOUT_S = 10.0
 
 
-def command_calls(conn: redis.Redis) -> dict[str, int]:
-    """Calls per command since the server started (``INFO commandstats``; a command a Lua
-    script runs counts too), without INFO itself."""
-    stats = conn.info("commandstats")
-    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()
+def calls_by_command(commandstats: dict) -> dict[str, int]:
+    """Calls per command in an ``INFO commandstats`` reply (a command a Lua script runs
+    counts too), without INFO itself."""
+    return {name.removeprefix("cmdstat_"): s["calls"] for name, s in commandstats.items()
             if name != "cmdstat_info"}
+
+
+def command_calls(conn: redis.Redis) -> dict[str, int]:
+    """`calls_by_command` since the server started."""
+    return calls_by_command(conn.info("commandstats"))
 
 
 def calls_since(conn: redis.Redis, before: dict[str, int]) -> dict[str, int]:
