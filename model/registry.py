@@ -21,6 +21,7 @@ from .archs.deepseek4 import flash_args
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .gguf.store import build_once
 from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
+from .planner import ChunkPlan
 from .prefill import Prefill, PrefillModel, start_prefill
 from .runtime.streams import cpu_streams
 from .tokenizer import Tokenizer
@@ -116,8 +117,10 @@ class LoadedModel:
     def sliding_window(self) -> int:
         return self.model.sliding_window
 
-    def start_prefill(self, token_ids: Sequence[int], chunk_tokens: int | None = None) -> Prefill:
-        """Plan and allocate a cold prefill of `token_ids` (see `model.prefill.start_prefill`)."""
+    def start_prefill(self, token_ids: Sequence[int], chunk_tokens: int | None = None,
+                      plan: ChunkPlan | None = None) -> Prefill:
+        """Plan (or take `plan`) and allocate a cold prefill of `token_ids` on this model's
+        serving limits and dtype (see `model.prefill.start_prefill`)."""
         return start_prefill(
             self.model,
             token_ids,
@@ -125,6 +128,7 @@ class LoadedModel:
             context_length=self.context_length,
             chunk_tokens=chunk_tokens,
             kv_dtype=self.dtype,
+            plan=plan,
         )
 
 

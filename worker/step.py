@@ -36,7 +36,7 @@ from jobs.schema import LogitsMode, now
 from jobs.scripts import Scripts
 from jobs.serializer import packb
 from model.planner import ChunkPlan, plan_chunks
-from model.prefill import Prefill, start_prefill, top_k
+from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
 from model.tokenizer import TokenizerError
 
@@ -205,9 +205,7 @@ class Stepper:
         except ValueError as e:
             return None, (INVALID_CHUNK_PLAN, str(e))
         try:
-            return start_prefill(loaded.model, ids, vocab_size=loaded.vocab_size,
-                                 context_length=loaded.context_length, kv_dtype=loaded.dtype,
-                                 plan=plan), None
+            return loaded.start_prefill(ids, plan=plan), None
         except Exception as e:
             log.exception("job %s: could not start", record.job_id)
             return None, ("ModelError", f"{type(e).__name__}: {e}")
