@@ -31,6 +31,7 @@ def _time(fn, repeats: int) -> float:
 
 def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
     from model.archs.gemma3 import gelu_gate
+    from model.cache import window_mask
     from model.runtime.streams import split_map
 
     a = loaded.model.args
@@ -50,11 +51,8 @@ def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
 
     local_attn = next(b.attn for b in loaded.model.blk if b.attn.window)
     global_attn = next(b.attn for b in loaded.model.blk if not b.attn.window)
-    q_pos = mx.arange(position, position + chunk)[:, None]
-    k_pos = mx.arange(position - n_prev, position + chunk)[None, :]
-    local_mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
-    if n_prev + chunk <= window:
-        local_mask = "causal"
+    local_mask = ("causal" if n_prev + chunk <= window
+                  else window_mask(position, chunk, position - n_prev, n_prev + chunk, window))
 
     groups = {
         # name: (function, times per forward)
