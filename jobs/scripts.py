@@ -46,7 +46,8 @@ _CANCEL_IF_REQUESTED = "if requested == '1' then" + _CANCELED + "end\n"
 # A worker takes a queued job: state queued -> prefilling, attempts += 1.
 # KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
 # start, so a start retried after a lost reply finds its own start instead of a stranger's;
-# ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only.
+# ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only;
+# ARGV[5], ARGV[6] its n_tokens and recovery_position (absent when its input failed).
 START = """
 local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
                                                  'attempts'))
@@ -58,6 +59,9 @@ redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 
            'cancel_requested', 0)
 redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
 if ARGV[4] and ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'chunk_plan', ARGV[4]) end
+if ARGV[5] and ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'n_tokens', ARGV[5], 'recovery_position', ARGV[6])
+end
 redis.call('PUBLISH', KEYS[2], 'prefilling')
 return {'started', attempts}
 """

@@ -42,14 +42,44 @@ def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[in
         CachePoisoned: the cache was poisoned earlier. Anything the forward pass raises,
         after poisoning the cache (rows past its position may be half written).
     """
+    return finish_chunk(cache, launch_chunk(model, cache, token_ids), len(token_ids))
+
+
+def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
+    """Build the forward pass of `token_ids` at ``cache.position`` and start evaluating it
+    (``mx.async_eval``) without waiting; `finish_chunk` waits and commits. Nothing else may
+    touch `cache` in between.
+
+    Returns:
+        float ``(1, hidden)``: the last position's final hidden state (being evaluated).
+    Raises:
+        CachePoisoned: the cache was poisoned earlier. Anything building the graph raises,
+        after poisoning the cache.
+    """
     cache.check_chunk(len(token_ids))
     try:
         hidden = model(mx.array(token_ids, dtype=mx.int32)[None], cache)
+        mx.async_eval(hidden, cache.arrays())
+    except BaseException:
+        cache.poison()
+        raise
+    return hidden
+
+
+def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int) -> mx.array:
+    """Wait for a `launch_chunk` of `n_tokens` tokens, then commit them.
+
+    Returns:
+        `hidden`, evaluated.
+    Raises:
+        Anything the forward pass raises, after poisoning the cache.
+    """
+    try:
         mx.eval(hidden, cache.arrays())
     except BaseException:
         cache.poison()
         raise
-    cache.commit(len(token_ids))
+    cache.commit(n_tokens)
     return hidden
 
 
@@ -90,6 +120,7 @@ class Prefill:
     chunks_done: int = 0
     compute_seconds: float = 0.0
     _hidden: mx.array | None = field(default=None, repr=False)
+    _launched: tuple | Exception | None = field(default=None, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -103,18 +134,52 @@ class Prefill:
     def done(self) -> bool:
         return self.cursor == self.n_tokens
 
+    @property
+    def launched(self) -> bool:
+        """A chunk was launched and its `step` has not run yet."""
+        return self._launched is not None
+
     def step(self) -> int:
-        """Run the next chunk; returns the number of tokens it committed.
+        """Run the next chunk (or finish the one `launch` started); returns the number of
+        tokens it committed.
 
         Raises:
-            ValueError: the prefill is already done. Whatever `prefill_chunk` raises.
+            ValueError: the prefill is already done. Whatever `prefill_chunk` raises
+            (a launched chunk's error included).
         """
-        start, end = self.plan.next_chunk(self.cursor)
+        launched, self._launched = self._launched, None
+        if isinstance(launched, Exception):
+            raise launched
+        if launched is None:
+            launched = self._launch()
+        start, end, hidden, build_seconds = launched
         t0 = time.perf_counter()
-        self._hidden = prefill_chunk(self.model, self.cache, self.token_ids[start:end])
-        self.compute_seconds += time.perf_counter() - t0
+        self._hidden = finish_chunk(self.cache, hidden, end - start)
+        self.compute_seconds += build_seconds + time.perf_counter() - t0
         self.chunks_done += 1
         return end - start
+
+    def launch(self) -> None:
+        """Start the next chunk on the device without waiting for it, so the caller's own
+        work (a queue's bookkeeping) overlaps the forward pass; the next `step` waits for it
+        and commits. Does nothing when the prefill is done or a chunk is already launched. An
+        error building the chunk is raised by that `step`, not here.
+
+        ``compute_seconds`` counts the time spent here and waiting in that `step`, not the
+        caller's work in between.
+        """
+        if self.done or self.launched:
+            return
+        try:
+            self._launched = self._launch()
+        except Exception as error:  # raised where the chunk's outcome is handled
+            self._launched = error
+
+    def _launch(self) -> tuple[int, int, mx.array, float]:
+        start, end = self.plan.next_chunk(self.cursor)
+        t0 = time.perf_counter()
+        hidden = launch_chunk(self.model, self.cache, self.token_ids[start:end])
+        return start, end, hidden, time.perf_counter() - t0
 
     def run(self) -> np.ndarray:
         """Run every remaining chunk and return the final logits."""
@@ -138,6 +203,7 @@ class Prefill:
         self.cache.reset()
         self.chunks_done = 0
         self._hidden = None
+        self._launched = None
 
 
 def start_prefill(

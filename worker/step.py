@@ -5,8 +5,10 @@ A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admit
 its cache allocated, and it is taken atomically (``queued -> prefilling``,
 `jobs.scripts.START`; the chunk plan is recorded on the job at its first start and reused by
 every later start, so chunk boundaries do not depend on the worker); then its first chunk
-runs. Its later chunks run in the worker's own round-robin loop (`Stepper.advance_next`),
-one chunk of one resident job per call. After every chunk one round trip
+runs, and the chunk of the resident job whose turn is next is launched on the device
+(`Stepper.launch_next`) so RQ's bookkeeping of the execution overlaps it. Its later chunks
+run in the worker's own round-robin loop (`Stepper.advance_next`), one chunk of one
+resident job per call. After every chunk one round trip
 (`worker.roundtrip`) records the cursor or publishes the final logits (one fenced script;
 canceled wins) and reads the other resident jobs' cancel flags and whether intake holds a
 job to admit.
@@ -112,6 +114,15 @@ class Stepper:
             log.debug("job %s is resident already", job_id)
             return
         self._guarded(job_id, self._admit, job_id)
+        self.launch_next()
+
+    def launch_next(self) -> None:
+        """Start the chunk of the resident job whose turn it is on the device without
+        waiting (`Prefill.launch`), so what runs before `advance_next` (RQ's bookkeeping of
+        an admission) overlaps its forward pass instead of leaving the device idle. The turn
+        order and what the last round trip decided are unchanged."""
+        if self.active:
+            next(iter(self.active.values())).prefill.launch()
 
     def advance_next(self) -> None:
         """Run one chunk of the resident job whose turn it is (round-robin)."""
@@ -178,10 +189,13 @@ class Stepper:
         if prefill is not None and not self.admission.fits(prefill.cache.nbytes):
             self.admission.wait_for_room(job_id, loaded.name, record.priority)
             return None
-        plan = b"" if prefill is None else encode_field("chunk_plan", list(prefill.plan.boundaries))
+        plan, size = b"", []
+        if prefill is not None:
+            plan = encode_field("chunk_plan", list(prefill.plan.boundaries))
+            size = [prefill.n_tokens, prefill.plan.recovery_position]
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
-            args=[self.name, now(), uuid.uuid4().hex, plan],
+            args=[self.name, now(), uuid.uuid4().hex, plan, *size],
         )
         if outcome != b"started":
             log.info("job %s is %s; not starting it", job_id, outcome.decode())
@@ -189,8 +203,7 @@ class Stepper:
         if error is not None:
             self.fail(job_id, (self.name, int(attempt)), *error)
             return None
-        active = self._activate(record, loaded, prefill, int(attempt))
-        return active if self.checkpoint(active).outcome == "continue" else None
+        return self._activate(record, loaded, prefill, int(attempt))
 
     def _prepare(self, loaded: LoadedModel, record: JobRecord
                  ) -> tuple[Prefill | None, tuple[str, str] | None]:

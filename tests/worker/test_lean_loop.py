@@ -18,7 +18,7 @@ from jobs import JobState, PrefillClient
 from worker.redis_server import RedisServer, calls_since, command_calls
 from worker.worker import PrefillWorker
 
-from .helpers import MODEL, assert_logits_match, ids
+from .helpers import CHUNK, MODEL, assert_logits_match, ids
 
 # A chunk's round trip: EVALSHA of the checkpoint script, the HMGET, HSET and PUBLISH it
 # runs, and an LLEN of each queue the worker admits from (its own and one intake queue).
@@ -118,3 +118,23 @@ def test_an_idle_worker_sees_a_new_priority_within_one_wait(server, tiny):
     assert status.state == JobState.FINISHED
     assert status.started_at - status.enqueued_at < 2.5, "the new priority waited too long"
     assert_logits_match(done["result"], tiny, ids(40, 5))
+
+
+def test_an_admission_launches_the_chunk_whose_turn_is_next(setup, tiny):
+    """RQ's bookkeeping of an admission overlaps a forward pass: the chunk of the resident
+    job whose turn comes next is on the device when the execution returns; turns keep
+    their order and every result stays exact."""
+    worker, client = setup()
+    first_ids, second_ids = ids(80, 3), ids(70, 4)
+    first = client.submit(tokens=first_ids, model=MODEL, top_k=3)
+    worker.advance(first)  # the body of the job's one RQ execution
+    assert worker.active[first].prefill.cursor == CHUNK
+    assert worker.active[first].prefill.launched  # its own second chunk: it is alone
+    second = client.submit(tokens=second_ids, model=MODEL, top_k=3)
+    worker.advance(second)
+    assert list(worker.active) == [first, second]  # first's turn is next
+    assert worker.active[first].prefill.launched
+    assert not worker.active[second].prefill.launched
+    worker.work(burst=True, logging_level="WARNING")
+    assert_logits_match(client.result(first, timeout=0), tiny, first_ids)
+    assert_logits_match(client.result(second, timeout=0), tiny, second_ids)
