@@ -4,11 +4,12 @@ against the same prefill in process, side by side (bf16, Gemma 3 270M shapes, ra
     python -m bench.gpu_queue [--repeats N] [--out FILE]
 
 One JSON line per measurement. The runs alternate (in process, queued, queued, in process,
-...) and each side keeps its fastest. In process: `start_prefill` then `Prefill.run` (cache
-allocation, every chunk, the final logits). Queued: the job's ``prefill_s`` (its first start,
-after the cache is allocated, to ``finished``: its one RQ execution, a round trip per chunk,
-the final logits, top-k and publish). Jobs carry token ids and ask for no top-k, so the
-random-weight model needs no tokenizer.
+...) and each side keeps its fastest. Both are timed from the same point, after the ids are
+checked and the cache planned (its buffers are allocated lazily, in the first chunk). In
+process: `Prefill.run` (every chunk, the final logits). Queued: the job's ``prefill_s`` (its
+first start to ``finished``: the rest of its one RQ execution, a round trip per chunk, the
+final logits; the publish's own round trip comes after). Jobs carry token ids and ask for no
+top-k, so the random-weight model needs no tokenizer.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ CASES = ((8192, 2048), (32_768, 2048))
 
 
 def in_process_seconds(loaded: LoadedModel, ids: list[int], chunk: int) -> float:
-    t0 = time.perf_counter()
+    """Seconds of `Prefill.run` (every chunk and the final logits), timed from the same
+    point as a job's ``prefill_s``: after the ids are checked and the cache is planned."""
     prefill = start_prefill(loaded.model, ids, vocab_size=loaded.vocab_size,
                             context_length=loaded.context_length, chunk_tokens=chunk,
                             kv_dtype=loaded.dtype)
+    t0 = time.perf_counter()
     prefill.run()
     return time.perf_counter() - t0
 
