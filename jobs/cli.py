@@ -26,6 +26,21 @@ class CLIError(Exception):
     """A usage or input error: printed as one line, exit status 2."""
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: `text` is not such an integer.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"want an integer >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (so a bad size fails before any model loads).
 
@@ -94,13 +109,18 @@ def result_record(status: JobStatus, result: PrefillResult | None) -> dict:
     return record
 
 
+def reused(record: dict) -> str:
+    """``"cached 512 tokens (live)"``: how much of a session's slot a job reused."""
+    return f"cached {record.get('cached_tokens', 0)} tokens ({record.get('reuse', 'cold')})"
+
+
 def print_result(record: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(record))
         return
     chunks = record["chunks"]
     print(f"job {record['job_id']}: {record['state']}, {record['n_tokens']} tokens "
-          f"in {chunks} chunk{'' if chunks == 1 else 's'}")
+          f"in {chunks} chunk{'' if chunks == 1 else 's'}, {reused(record)}")
     timings = record.get("timings")
     if timings:
         print(f"prefill {timings['prefill_s']:.2f} s ({timings['tokens_per_s']:.0f} tok/s), "
@@ -147,7 +167,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         total = status.n_tokens if status.n_tokens is not None else "?"
         print(f"{status.job_id}: {status.state.value} {status.cursor}/{total} tokens, "
               f"{status.chunks_done} chunk{'' if status.chunks_done == 1 else 's'}, "
-              f"attempt {status.attempts}"
+              f"attempt {status.attempts}, {reused(status.to_dict())}"
               + (" (cancel requested)" if status.cancel_requested else ""))
     return 0
 
@@ -194,7 +214,9 @@ def add_submit(sub) -> None:
     submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help=f"top next tokens to keep (default {DEFAULT_TOP_K})")
     submit.add_argument("--logits", choices=["none", "top_k", "full"], default="top_k")
-    submit.add_argument("--session", help="session id (stored; prefix reuse comes later)")
+    submit.add_argument("--session",
+                        help="session id: the job's worker keeps its KV cache, and the "
+                             "session's next job prefills only what its prompt adds")
     submit.add_argument("--priority", type=int, default=0,
                         help="higher is admitted first (default 0)")
     submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")

@@ -132,9 +132,18 @@ class PrefillClient:
         with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job land together
             pipe.multi()
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-            enqueue_new(self.redis, record.job_id, model, record.priority, pipe)
+            enqueue_new(self.redis, record.job_id, model, record.priority, pipe,
+                        worker=self.session_holder(session) if session else None)
             pipe.execute()
         return record.job_id
+
+    def session_holder(self, session: str) -> str | None:
+        """The live worker that keeps `session`'s slot (its next job is routed there), or
+        None: no worker has kept it, or that worker's heartbeat has expired."""
+        holder = self.redis.get(keys.session_holder(session))
+        if holder is None or not self.redis.exists(keys.worker_heartbeat(holder.decode())):
+            return None
+        return holder.decode()
 
     # -- status, cancel, result ----------------------------------------------------------
 

@@ -22,3 +22,7 @@ DEFAULT_MAX_ACTIVE = 4
 DEFAULT_HEARTBEAT_TTL_S = 30
 # Error messages are capped so a pathological input cannot bloat Redis.
 MAX_ERROR_CHARS = 2000
+# Sessions: slots a worker keeps after their jobs finish (LRU), and how long the record of
+# which worker keeps a session's slot outlives its last job.
+DEFAULT_SESSION_SLOTS = 4
+DEFAULT_SESSION_TTL_S = 24 * 3600

@@ -28,6 +28,10 @@ WORKER_HEARTBEAT = PREFIX + ":worker:{worker}:heartbeat"
 # ids of the jobs a worker holds in memory (for the dead-worker reaper)
 WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
 
+# session id -> name of the worker that keeps the session's slot (its KV cache, committed
+# tokens and turn anchor); a session's next job is routed to that worker while it lives
+SESSION_HOLDER = PREFIX + ":session:{session}:holder"
+
 # priorities that have an intake queue, per model (a set of ints)
 PRIORITIES = PREFIX + ":priorities:{model}"
 
@@ -64,6 +68,10 @@ def worker_heartbeat(worker: str) -> str:
 
 def worker_jobs(worker: str) -> str:
     return WORKER_JOBS.format(worker=worker)
+
+
+def session_holder(session: str) -> str:
+    return SESSION_HOLDER.format(session=session)
 
 
 def priorities(model: str) -> str:

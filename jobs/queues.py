@@ -51,7 +51,7 @@ def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = 
     It never times out inside RQ: it runs one chunk, bounded by its token count, and an
     exception thrown into MLX work would leave the cache half written.
     """
-    queue.enqueue_call(
+    queue.enqueue_call(  # the RQ job id is the prefillq job id + "-" + 12 hex (`job_id_of`)
         CHUNK_FUNCTION,
         args=(job_id,),
         job_id=f"{job_id}-{uuid.uuid4().hex[:12]}",
@@ -64,10 +64,34 @@ def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = 
     )
 
 
-def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline) -> None:
-    """Enqueue a new job's first execution on its intake queue (inside `pipeline`)."""
+def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, *,
+                worker: str | None = None) -> None:
+    """Enqueue a new job's first execution (inside `pipeline`): on its intake queue, or on
+    `worker`'s own queue when it is routed there (a session's next job goes to the worker
+    that keeps the session's slot)."""
     pipeline.sadd(keys.priorities(model), int(priority))
-    enqueue_chunk(intake_queue(redis, model, priority), job_id, pipeline=pipeline)
+    queue = intake_queue(redis, model, priority) if worker is None else sticky_queue(redis, worker)
+    enqueue_chunk(queue, job_id, pipeline=pipeline)
+
+
+def job_id_of(rq_job_id: str) -> str:
+    """The prefillq job id of an admitting execution enqueued by `enqueue_chunk`."""
+    return rq_job_id.rsplit("-", 1)[0]
+
+
+def move_to_intake(redis: Redis, worker: str) -> list[str]:
+    """Hand every job routed to `worker` (its own queue) to its intake queue, then delete
+    the queue: `worker` is stopping or dead, and routing is only a preference. Returns the
+    job ids moved."""
+    own = sticky_queue(redis, worker)
+    moved = [job_id_of(rq_id) for rq_id in own.get_job_ids()]
+    with redis.pipeline() as pipe:
+        pipe.multi()
+        for job_id in moved:
+            requeue_to_intake(redis, job_id, pipe)
+        pipe.execute()
+    own.delete(delete_jobs=True)
+    return moved
 
 
 def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,

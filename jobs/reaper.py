@@ -2,7 +2,8 @@
 
 A worker's KV caches die with its process, so its jobs restart at cursor 0 with
 ``attempts + 1``, or end ``failed`` with ``WorkerLost`` once failures reach
-``max_attempts``. Every live worker runs this on a timer; ``prefillq reap`` runs it once.
+``max_attempts``; jobs routed to it and not started yet (its own queue) move to intake.
+Every live worker runs this on a timer; ``prefillq reap`` runs it once.
 Each job moves in one fenced script (it must still be ``prefilling`` on the dead worker),
 so two reapers racing, or a worker declared dead that still runs, cannot double-queue or
 double-publish it.
@@ -17,7 +18,7 @@ from redis import Redis
 
 from . import keys
 from .defaults import DEFAULT_RESULT_TTL_S
-from .queues import requeue_to_intake, sticky_queue
+from .queues import move_to_intake, requeue_to_intake
 from .schema import now
 from .scripts import Scripts
 
@@ -60,9 +61,8 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
                 outcome = pipe.execute()[0].decode()
             reaped.append(Reaped(worker, job_id, outcome))
             log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)
-        # its own queue holds only jobs routed to it, and nothing routes jobs to a worker yet;
-        # once something does, those must move to intake here instead of being deleted
-        sticky_queue(redis, worker).delete(delete_jobs=True)
+        for job_id in move_to_intake(redis, worker):  # jobs routed to it, not started yet
+            log.warning("moved job %s routed to dead worker %s to intake", job_id, worker)
         redis.delete(keys.worker_jobs(worker))
         redis.srem(keys.WORKERS, worker)
     return reaped

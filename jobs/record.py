@@ -48,6 +48,7 @@ class JobRecord:
     cursor: int = 0
     chunks_done: int = 0
     cached_tokens: int = 0
+    reuse: str = "cold"
     n_tokens: int | None = None
     recovery_position: int | None = None
     chunk_plan: list[int] | None = None
@@ -105,6 +106,7 @@ class JobRecord:
             recovery_position=self.recovery_position,
             chunks_done=self.chunks_done,
             cached_tokens=self.cached_tokens,
+            reuse=self.reuse,
             attempts=self.attempts,
             cancel_requested=self.cancel_requested,
             worker=self.worker or None,

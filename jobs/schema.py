@@ -45,7 +45,15 @@ def now() -> float:
 
 @dataclass
 class JobStatus:
-    """A job's status as the client sees it. Times are UTC epoch seconds, sizes tokens."""
+    """A job's status as the client sees it. Times are UTC epoch seconds, sizes tokens.
+
+    ``cached_tokens`` were reused from the session's slot (the cursor starts there) and
+    ``reuse`` says how: ``cold`` (no slot, or not a session job), ``live`` (the prompt
+    extends every committed token), ``recovery-anchor`` (it extends the turn anchor's),
+    ``reset`` (neither; the slot starts over), ``exact`` (the prompt equals the committed
+    tokens: no forward pass), or ``grow-live``, ``grow-recovery-anchor``, ``grow-reset`` when
+    the slot's cache grew first. DESIGN.md §7 and `model.session` have the rules.
+    """
 
     job_id: str
     state: JobState
@@ -56,6 +64,7 @@ class JobStatus:
     recovery_position: int | None
     chunks_done: int
     cached_tokens: int
+    reuse: str
     attempts: int
     cancel_requested: bool
     worker: str | None
@@ -93,6 +102,7 @@ class PrefillResult:
     job_id: str
     n_tokens: int
     cached_tokens: int
+    reuse: str
     chunks_done: int
     top_k: list[TopLogit]
     timings: dict[str, float]
@@ -110,6 +120,7 @@ class PrefillResult:
             job_id=job_id,
             n_tokens=data["n_tokens"],
             cached_tokens=data.get("cached_tokens", 0),
+            reuse=data.get("reuse", "cold"),
             chunks_done=data["chunks_done"],
             top_k=[TopLogit(**t) for t in data["top_k"]],
             timings=data["timings"],

@@ -47,7 +47,8 @@ _CANCEL_IF_REQUESTED = "if requested == '1' then" + _CANCELED + "end\n"
 # KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
 # start, so a start retried after a lost reply finds its own start instead of a stranger's;
 # ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only;
-# ARGV[5], ARGV[6] its n_tokens and recovery_position (absent when its input failed).
+# ARGV[5] to ARGV[8] its n_tokens, recovery_position, cached_tokens (where its cursor starts)
+# and reuse (`cold` or how a session's slot was reused); absent when its input failed.
 START = """
 local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
                                                  'attempts'))
@@ -60,7 +61,8 @@ redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 
 redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
 if ARGV[4] and ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'chunk_plan', ARGV[4]) end
 if ARGV[5] and ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'n_tokens', ARGV[5], 'recovery_position', ARGV[6])
+  redis.call('HSET', KEYS[1], 'n_tokens', ARGV[5], 'recovery_position', ARGV[6],
+             'cursor', ARGV[7], 'cached_tokens', ARGV[7], 'reuse', ARGV[8])
 end
 redis.call('PUBLISH', KEYS[2], 'prefilling')
 return {'started', attempts}
@@ -169,6 +171,13 @@ end
 return 'unchanged'
 """
 
+# A worker stops keeping a session's slot: forget it as the holder unless another worker
+# has taken the session over since. KEYS[1] the holder key; ARGV[1] the worker.
+RELEASE_SESSION = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 class Scripts:
     """The scripts registered on one connection (EVALSHA with a transparent reload)."""
@@ -181,3 +190,4 @@ class Scripts:
         self.requeue: Script = redis.register_script(REQUEUE)
         self.reap: Script = redis.register_script(REAP)
         self.cancel: Script = redis.register_script(CANCEL)
+        self.release_session: Script = redis.register_script(RELEASE_SESSION)

@@ -119,6 +119,8 @@ class Prefill:
     cache: ModelCache
     chunks_done: int = 0
     compute_seconds: float = 0.0
+    cached_tokens: int = 0  # tokens a session's slot supplied: the cursor started here
+    reuse: str = "cold"  # how they were reused (`model.session`)
     _hidden: mx.array | None = field(default=None, repr=False)
     _launched: tuple | Exception | None = field(default=None, repr=False)
 

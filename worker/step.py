@@ -25,35 +25,31 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from jobs import keys
 from jobs.defaults import MAX_ERROR_CHARS
-from jobs.errors import EmptyPrompt, PromptTooLong, TokenOutOfRange
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
-from jobs.requests import check_token_ids
 from jobs.schema import LogitsMode, now
 from jobs.scripts import Scripts
 from jobs.serializer import packb
-from model.planner import ChunkPlan, plan_chunks
 from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
-from model.tokenizer import TokenizerError
 
 from .admission import Admission
 from .connection import refused_write
 from .parked import ParkedWrites
+from .prepare import Prepared, prepare
 from .roundtrip import Probe, Reply, run_script
+from .sessions import SessionSlots
 
 log = logging.getLogger("prefillq.worker")
 
 # error.type of a job whose transition Redis refused to write (maxmemory, value too large)
 REDIS_OOM = "RedisOutOfMemory"
-# error.type of a job whose recorded chunk plan does not fit its prompt
-INVALID_CHUNK_PLAN = "InvalidChunkPlan"
-INPUT_ERRORS = (EmptyPrompt, TokenOutOfRange, PromptTooLong, TokenizerError)
 
 
 @dataclass
@@ -70,6 +66,8 @@ class ActiveJob:
     enqueued_at: float
     first_started_at: float
     started_at: float
+    session: str | None = None  # the session whose slot `slot` is (checked out for the job)
+    slot: Any = None
 
     @property
     def keys(self) -> list[str]:
@@ -90,12 +88,15 @@ class Stepper:
         admission: the worker's admission policy; it reads `active`.
         chunk_tokens: cap on chunk size when this worker plans a job.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
+        sessions: the session slots this worker keeps (None: session jobs run cold).
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  admission: Admission, admit_from: Callable[[], list[str]], *,
-                 chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int):
+                 chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
+                 sessions: SessionSlots | None = None):
         self.connection, self.name, self.models = connection, name, models
+        self.sessions = sessions
         self.admission, self.admit_from = admission, admit_from
         self.chunk_tokens = chunk_tokens
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
@@ -139,8 +140,13 @@ class Stepper:
 
     def _admit(self, job_id: str) -> None:
         active = self.start(job_id)
-        if active is not None:
-            self._run_chunk(active)
+        if active is None:
+            return
+        if active.prefill.done:  # an exact session hit: no forward pass to run
+            reply = self.publish(active, Probe(queue_keys=self.admit_from()))
+            self.intake_waiting = reply.intake_waiting
+            return
+        self._run_chunk(active)
 
     def _run_chunk(self, active: ActiveJob) -> None:
         """One chunk of `active`, then its checkpoint or publish in one round trip that also
@@ -173,9 +179,10 @@ class Stepper:
     # -- start --------------------------------------------------------------------------
 
     def start(self, job_id: str) -> ActiveJob | None:
-        """First execution of a job here: tokenize, validate, plan, check the KV budget,
-        then take it (``queued -> prefilling``). Returns None when the job is not ours to
-        run (gone, another model, not queued, failed its input checks, waits for room)."""
+        """First execution of a job here: tokenize, validate, plan (`worker.prepare`), check
+        the KV budget, then take it (``queued -> prefilling``). Returns None when the job is
+        not ours to run (gone, another model, not queued, failed its input checks, waits for
+        room); a session slot it checked out is kept again then."""
         raw = self.connection.hgetall(keys.job(job_id))
         if not raw:
             log.warning("job %s has no record (expired?); skipping", job_id)
@@ -185,14 +192,25 @@ class Stepper:
         if loaded is None:
             log.error("job %s wants model %s, not served here", job_id, record.model)
             return None
-        prefill, error = self._prepare(loaded, record)
+        prepared = prepare(loaded, record, chunk_tokens=self.chunk_tokens,
+                           sessions=self.sessions)
+        active = self._take(record, loaded, prepared)
+        if active is None and prepared.slot is not None:
+            self.sessions.keep(record.session, loaded.name, prepared.slot)
+        return active
+
+    def _take(self, record: JobRecord, loaded: LoadedModel, prepared: Prepared
+              ) -> ActiveJob | None:
+        job_id, prefill = record.job_id, prepared.prefill
         if prefill is not None and not self.admission.fits(prefill.cache.nbytes):
             self.admission.wait_for_room(job_id, loaded.name, record.priority)
             return None
         plan, size = b"", []
         if prefill is not None:
-            plan = encode_field("chunk_plan", list(prefill.plan.boundaries))
-            size = [prefill.n_tokens, prefill.plan.recovery_position]
+            if prepared.slot is None:  # a session job plans afresh at every start
+                plan = encode_field("chunk_plan", list(prefill.plan.boundaries))
+            size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cached_tokens,
+                    prefill.reuse]
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
             args=[self.name, now(), uuid.uuid4().hex, plan, *size],
@@ -200,48 +218,12 @@ class Stepper:
         if outcome != b"started":
             log.info("job %s is %s; not starting it", job_id, outcome.decode())
             return None
-        if error is not None:
-            self.fail(job_id, (self.name, int(attempt)), *error)
+        if prepared.error is not None:
+            self.fail(job_id, (self.name, int(attempt)), *prepared.error)
             return None
-        return self._activate(record, loaded, prefill, int(attempt))
+        return self._activate(record, loaded, prepared, int(attempt))
 
-    def _prepare(self, loaded: LoadedModel, record: JobRecord
-                 ) -> tuple[Prefill | None, tuple[str, str] | None]:
-        """The job's prefill, or the ``(error type, message)`` it fails with."""
-        try:
-            ids = self._token_ids(loaded, record)
-            check_token_ids(ids, loaded.vocab_size, loaded.context_length)
-        except INPUT_ERRORS as e:
-            return None, (type(e).__name__, str(e))
-        try:
-            plan = self._plan(loaded, record, len(ids))
-        except ValueError as e:
-            return None, (INVALID_CHUNK_PLAN, str(e))
-        try:
-            return loaded.start_prefill(ids, plan=plan), None
-        except Exception as e:
-            log.exception("job %s: could not start", record.job_id)
-            return None, ("ModelError", f"{type(e).__name__}: {e}")
-
-    def _plan(self, loaded: LoadedModel, record: JobRecord, n_tokens: int) -> ChunkPlan:
-        """The recorded plan of a job started before, else this worker's plan for it.
-
-        Raises:
-            ValueError: the recorded boundaries do not fit a prompt of `n_tokens`.
-        """
-        if record.chunk_plan is not None:
-            return ChunkPlan.from_boundaries(n_tokens, record.chunk_plan)
-        caps = [c for c in (self.chunk_tokens, record.chunk_tokens) if c is not None]
-        return plan_chunks(n_tokens, loaded.sliding_window,
-                           chunk_tokens=min(caps) if caps else None)
-
-    @staticmethod
-    def _token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
-        if record.tokens is not None:
-            return record.tokens
-        return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)
-
-    def _activate(self, record: JobRecord, loaded: LoadedModel, prefill: Prefill,
+    def _activate(self, record: JobRecord, loaded: LoadedModel, prepared: Prepared,
                   attempt: int) -> ActiveJob:
         started = now()
         active = ActiveJob(
@@ -249,15 +231,19 @@ class Stepper:
             attempt=attempt,
             max_attempts=record.max_attempts,
             model=loaded,
-            prefill=prefill,
+            prefill=prepared.prefill,
             top_k=record.top_k,
             logits_mode=record.logits_mode,
             enqueued_at=record.enqueued_at or started,
             first_started_at=record.first_started_at or started,
             started_at=started,
+            session=record.session if prepared.slot is not None else None,
+            slot=prepared.slot,
         )
         self.active[record.job_id] = active
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
+        if active.session is not None:  # before its publish: the next turn is routed here
+            self.sessions.claim(active.session)
         return active
 
     # -- transitions --------------------------------------------------------------------
@@ -301,7 +287,8 @@ class Stepper:
         p, loaded = active.prefill, active.model
         return {
             "n_tokens": p.n_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": p.cached_tokens,
+            "reuse": p.reuse,
             "chunks_done": p.chunks_done,
             "top_k": [
                 {"id": t.id, "logit": t.logit, "logprob": t.logprob,
@@ -366,9 +353,12 @@ class Stepper:
                            error)
 
     def drop(self, active: ActiveJob, *, deregister: bool = True) -> None:
-        """Forget `active` here (its cache is released); room for the next job."""
+        """Forget `active` here (its cache is released, or kept as its session's slot,
+        consistent at its last committed chunk); room for the next job."""
         self.active.pop(active.job_id, None)
         self.admission.room_freed()
+        if active.slot is not None:
+            self.sessions.keep(active.session, active.model.name, active.slot)
         if deregister:
             self.connection.srem(keys.worker_jobs(self.name), active.job_id)
 

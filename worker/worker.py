@@ -35,14 +35,16 @@ from jobs.defaults import (
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
     DEFAULT_RESULT_TTL_S,
+    DEFAULT_SESSION_SLOTS,
 )
-from jobs.queues import CHUNK_FUNCTION, intake_queue, sticky_queue
+from jobs.queues import CHUNK_FUNCTION, intake_queue, move_to_intake, sticky_queue
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
 from .admission import Admission
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
 from .heartbeat import Heartbeat
+from .sessions import SessionSlots
 from .step import ActiveJob, Stepper
 
 log = logging.getLogger("prefillq.worker")
@@ -102,6 +104,8 @@ class PrefillWorker(SimpleWorker):
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
         heartbeat_ttl_s: the worker counts as dead this long after its last heartbeat.
+        session_slots, session_bytes: bounds on the session slots kept between a session's
+            jobs (`worker.sessions.SessionSlots`; least recently used evicted first).
     """
 
     death_penalty_class = NoDeathPenalty
@@ -118,6 +122,8 @@ class PrefillWorker(SimpleWorker):
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
         logits_ttl_s: int = DEFAULT_LOGITS_TTL_S,
         heartbeat_ttl_s: int = DEFAULT_HEARTBEAT_TTL_S,
+        session_slots: int = DEFAULT_SESSION_SLOTS,
+        session_bytes: int | None = None,
     ):
         if not models:
             raise ValueError("a worker needs at least one model")
@@ -132,9 +138,11 @@ class PrefillWorker(SimpleWorker):
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
                                    kv_budget_bytes=kv_budget_bytes,
                                    refresh_s=self.heartbeat_ttl_s / 6)
+        self.sessions = SessionSlots(connection, name, max_slots=session_slots,
+                                     max_bytes=session_bytes)
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
-                               logits_ttl_s=logits_ttl_s)
+                               logits_ttl_s=logits_ttl_s, sessions=self.sessions)
         self._rq_beat_at = 0.0
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
                                   result_ttl_s=result_ttl_s, on_beat=self.stepper.settle)
@@ -276,10 +284,12 @@ class PrefillWorker(SimpleWorker):
     def teardown(self) -> None:
         self.hand_back_active()
         self.stepper.settle()
-        try:  # its own queue: jobs routed to this worker (none are yet)
-            self.sticky.delete(delete_jobs=True)
+        try:  # sessions die with the process; jobs routed here go to intake
+            self.sessions.clear()
+            move_to_intake(self.connection, self.name)
         except Exception:
-            log.warning("could not delete sticky queue %s", self.sticky.name, exc_info=True)
+            log.warning("could not hand back %s's own queue and sessions", self.name,
+                        exc_info=True)
         self.liveness.stop()
         try:
             self.liveness.deregister()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from jobs.cli import add_redis, positive_int
+from jobs.cli import add_redis, non_negative_int, positive_int
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
     DEFAULT_MODEL,
     DEFAULT_RESULT_TTL_S,
+    DEFAULT_SESSION_SLOTS,
 )
 
 from .loading import load_models
@@ -35,6 +36,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         result_ttl_s=args.result_ttl,
         logits_ttl_s=args.logits_ttl,
         heartbeat_ttl_s=args.heartbeat_ttl,
+        session_slots=args.session_slots,
+        session_bytes=args.session_bytes,
     )
     worker.work(burst=args.burst, logging_level="INFO")
     return 0
@@ -54,6 +57,11 @@ def add_worker(sub) -> None:
                              f"(default {DEFAULT_MAX_ACTIVE})")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
+    worker.add_argument("--session-slots", type=non_negative_int, default=DEFAULT_SESSION_SLOTS,
+                        help="sessions whose KV cache is kept after their job, least recently "
+                             "used evicted first; 0 keeps none (default: %(default)s)")
+    worker.add_argument("--session-bytes", type=non_negative_int,
+                        help="bound on the kept sessions' bytes (KV rows and turn anchors)")
     worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,

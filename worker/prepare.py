@@ -1,0 +1,116 @@
+"""A job's first start on a worker: its token ids, their checks, its chunk plan and prefill.
+
+A job's input becomes token ids once, here: given ids as they are, text through the model's
+tokenizer. A job of a session starts from the session's slot when this worker keeps it
+(`worker.sessions.SessionSlots`): `model.session.session_prefill` decides how much of the
+slot's cache the prompt reuses and plans the rest with a chunk ending at the recovery
+position, where the slot's turn anchor is snapshotted. Every other job is a cold prefill on
+its recorded chunk plan, or on this worker's plan at its first start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.errors import EmptyPrompt, PromptTooLong, TokenOutOfRange
+from jobs.record import JobRecord
+from jobs.requests import check_token_ids
+from model.planner import ChunkPlan, plan_chunks
+from model.prefill import Prefill
+from model.registry import LoadedModel
+from model.tokenizer import TokenizerError
+
+from .sessions import SessionSlots
+
+log = logging.getLogger("prefillq.worker")
+
+# error.type of a job whose recorded chunk plan does not fit its prompt
+INVALID_CHUNK_PLAN = "InvalidChunkPlan"
+# a job's own input is at fault: it fails with the error's type, the worker carries on
+INPUT_ERRORS = (EmptyPrompt, TokenOutOfRange, PromptTooLong, TokenizerError)
+
+
+@dataclass
+class Prepared:
+    """What a job's first start here produced.
+
+    Attributes:
+        prefill: the job's prefill, or None when it fails (`error`).
+        error: ``(error type, message)`` the job fails with, else None.
+        slot: the session's slot, checked out of `SessionSlots` for the job (None for a job
+            without a session, or when this worker keeps no sessions); it goes back with
+            `SessionSlots.keep` however the job leaves.
+    """
+
+    prefill: Prefill | None
+    error: tuple[str, str] | None = None
+    slot: Any = None
+
+
+def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
+            sessions: SessionSlots | None) -> Prepared:
+    """Tokenize, check and plan `record`'s job and allocate (or reuse) its cache.
+
+    Args:
+        chunk_tokens: this worker's cap on chunk size (the smaller of it and the job's own
+            applies).
+        sessions: this worker's session slots, or None.
+    """
+    try:
+        ids = token_ids(loaded, record)
+        check_token_ids(ids, loaded.vocab_size, loaded.context_length)
+    except INPUT_ERRORS as e:
+        return Prepared(None, (type(e).__name__, str(e)))
+    caps = [c for c in (chunk_tokens, record.chunk_tokens) if c is not None]
+    cap = min(caps) if caps else None
+    if record.session and sessions is not None and sessions.max_slots > 0:
+        return _session_prefill(loaded, record, ids, cap, sessions)
+    try:
+        plan = recorded_plan(record, len(ids)) or plan_chunks(
+            len(ids), loaded.sliding_window, chunk_tokens=cap)
+    except ValueError as e:
+        return Prepared(None, (INVALID_CHUNK_PLAN, str(e)))
+    try:
+        return Prepared(loaded.start_prefill(ids, plan=plan))
+    except Exception as e:
+        log.exception("job %s: could not start", record.job_id)
+        return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
+
+
+def _session_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
+                     chunk_tokens: int | None, sessions: SessionSlots) -> Prepared:
+    # A session job plans afresh at every start: where its cursor starts depends on what
+    # this worker's slot reuses, so a recorded plan (made against another slot) is not used.
+    slot = sessions.take(record.session, loaded.name)
+    try:
+        prefill, slot = loaded.session_prefill(slot, ids, chunk_tokens=chunk_tokens)
+    except Exception as e:  # the slot may be half applied: it is not kept
+        log.exception("job %s: could not start from session %s", record.job_id,
+                      record.session)
+        sessions.release(record.session)
+        return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
+    return Prepared(prefill, slot=slot)
+
+
+def recorded_plan(record: JobRecord, n_tokens: int) -> ChunkPlan | None:
+    """The chunk plan recorded at the job's first start, or None.
+
+    Raises:
+        ValueError: the recorded boundaries do not fit a prompt of `n_tokens`.
+    """
+    if record.chunk_plan is None:
+        return None
+    return ChunkPlan.from_boundaries(n_tokens, record.chunk_plan)
+
+
+def token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
+    """The job's prompt as token ids (BOS per the model for text).
+
+    Raises:
+        TokenizerError: the text cannot be tokenized.
+    """
+    if record.tokens is not None:
+        return record.tokens
+    return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)

@@ -1,0 +1,128 @@
+"""The session slots one worker keeps between a session's jobs, least recently used first out.
+
+A slot (`model.session.SessionSlot`) is a session's KV cache, the exact token ids committed
+into it, the state to recompute its last logits, and its turn anchor; the next job of the
+session prefills only what its prompt adds (`model.session.session_prefill` decides how much
+it reuses). While a slot is kept, Redis names this worker as the session's holder
+(``keys.session_holder``) so the client routes the session's next job to this worker's own
+queue. A slot is checked out (`take`) while its job is resident and kept again (`keep`) when
+the job leaves this worker, finished or not: a slot is consistent after every chunk.
+
+Bounds: at most ``max_slots`` slots and ``max_bytes`` bytes (``SessionSlot.nbytes``: KV rows,
+the anchor's copies); the least recently used slot is evicted first, and a slot larger than
+``max_bytes`` on its own is not kept. No state is shared between sessions: a slot belongs to
+one session id and one model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from jobs import keys
+from jobs.defaults import DEFAULT_SESSION_SLOTS, DEFAULT_SESSION_TTL_S
+from jobs.scripts import Scripts
+
+log = logging.getLogger("prefillq.worker")
+
+
+@dataclass
+class _Kept:
+    model: str
+    slot: Any  # model.session.SessionSlot (anything with ``nbytes``)
+
+
+class SessionSlots:
+    """A worker's kept session slots, with the Redis record of which worker holds each.
+
+    Args:
+        connection: Redis connection.
+        worker: this worker's name (what the holder key records).
+        max_slots: slots kept at once (0 keeps none: every session job runs cold).
+        max_bytes: total ``nbytes`` of the kept slots, or None for no byte bound.
+        ttl_s: lifetime of a holder key after the session's last job here.
+    Raises:
+        ValueError: `max_slots` < 0 or `max_bytes` < 0.
+    """
+
+    def __init__(self, connection: Redis, worker: str, *,
+                 max_slots: int = DEFAULT_SESSION_SLOTS, max_bytes: int | None = None,
+                 ttl_s: int = DEFAULT_SESSION_TTL_S):
+        if max_slots < 0 or (max_bytes is not None and max_bytes < 0):
+            raise ValueError(f"session bounds must be >= 0: slots {max_slots}, bytes {max_bytes}")
+        self.connection, self.worker = connection, worker
+        self.max_slots, self.max_bytes, self.ttl_s = max_slots, max_bytes, ttl_s
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently used first
+        self._scripts = Scripts(connection)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._kept
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every kept slot."""
+        return sum(k.slot.nbytes for k in self._kept.values())
+
+    def take(self, session: str, model: str) -> Any | None:
+        """Check out `session`'s slot for a job of `model` (None when none is kept; a slot of
+        another model is dropped). The holder key keeps naming this worker meanwhile."""
+        kept = self._kept.pop(session, None)
+        if kept is None:
+            return None
+        if kept.model != model:
+            log.info("session %s moved from model %s to %s: its slot is dropped", session,
+                     kept.model, model)
+            return None
+        return kept.slot
+
+    def claim(self, session: str) -> None:
+        """Record this worker as `session`'s holder now (its job runs here), so the session's
+        next job, submitted as soon as this one finishes, is routed here."""
+        self.connection.set(keys.session_holder(session), self.worker, ex=self.ttl_s)
+
+    def keep(self, session: str, model: str, slot: Any) -> list[str]:
+        """Keep `slot` as `session`'s, most recently used, and record this worker as its
+        holder; then evict least recently used slots past the bounds. Returns the sessions
+        evicted (`session` itself when its slot alone is over ``max_bytes``)."""
+        self._kept.pop(session, None)
+        self._kept[session] = _Kept(model, slot)
+        evicted = []
+        while self._kept and (len(self._kept) > self.max_slots or self._over_bytes()):
+            gone, _ = self._kept.popitem(last=False)
+            evicted.append(gone)
+        with self.connection.pipeline(transaction=False) as pipe:
+            if session not in evicted:
+                pipe.set(keys.session_holder(session), self.worker, ex=self.ttl_s)
+            for gone in evicted:
+                self._scripts.release_session(keys=[keys.session_holder(gone)],
+                                              args=[self.worker], client=pipe)
+            pipe.execute()
+        for gone in evicted:
+            log.info("evicted session slot %s (%d slots, %d bytes kept)", gone,
+                     len(self._kept), self.nbytes)
+        return evicted
+
+    def release(self, session: str) -> None:
+        """Forget `session` here: drop its slot (kept or checked out) and its holder key."""
+        self._kept.pop(session, None)
+        self._scripts.release_session(keys=[keys.session_holder(session)], args=[self.worker])
+
+    def clear(self) -> None:
+        """Drop every slot and the holder keys naming this worker (it is stopping)."""
+        sessions = list(self._kept)
+        self._kept.clear()
+        with self.connection.pipeline(transaction=False) as pipe:
+            for session in sessions:
+                self._scripts.release_session(keys=[keys.session_holder(session)],
+                                              args=[self.worker], client=pipe)
+            pipe.execute()
+
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and self.nbytes > self.max_bytes
