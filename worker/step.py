@@ -226,6 +226,9 @@ class Stepper:
     def _token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
         if record.tokens is not None:
             return record.tokens
+        if record.messages is not None:  # ChatTemplateError is a TokenizerError: input error
+            return loaded.tokenizer.apply_chat_template(
+                record.messages, add_generation_prompt=record.add_generation_prompt)
         return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)
 
     def _activate(self, record: JobRecord, loaded: LoadedModel, prefill: Prefill,
