@@ -32,8 +32,10 @@ TEMPLATE_KEY = "tokenizer.chat_template"
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 
 # What a template may raise while rendering besides jinja2's own errors: an operator on the
-# wrong types ("a" + 1), an out-of-range index in Python code it calls, the sandbox's range cap.
-_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError)
+# wrong types ("a" + 1), an out-of-range index in Python code it calls, the sandbox's range
+# cap, a macro that calls itself without end.
+_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
+                  RecursionError)
 
 
 class ChatTemplateError(TokenizerError):

@@ -166,6 +166,7 @@ def test_the_sandbox_refuses_unsafe_access(source):
 @pytest.mark.parametrize("source, match", [
     ("{{ range(10 ** 7) | list }}", "Range too big"),   # the sandbox's range cap
     ("{{ messages[0].content + 1 }}", "concatenate"),   # a type error in the template
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
 ])
 def test_errors_while_rendering_are_typed(source, match):
     with pytest.raises(ChatTemplateError, match=match):
