@@ -62,33 +62,36 @@ def add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dict:
-    """The submit input from TEXT / --prompt / --prompt-file / --tokens-file.
+    """The submit input from TEXT / --prompt / --prompt-file / --tokens-file / --messages-file.
 
-    Returns ``{"prompt": text}`` or ``{"tokens": ids}``; the sample prompt when none given.
+    Returns ``{"prompt": text}``, ``{"tokens": ids}`` or ``{"messages": chat,
+    "add_generation_prompt": bool}``; the sample prompt when none given. The messages'
+    shape is checked by `submit` (`jobs.requests.check_messages`).
 
     Raises:
-        CLIError: two sources, an unreadable file, or a tokens file that is not a JSON array
-            of integers.
+        CLIError: two sources, an unreadable file, a tokens file that is not a JSON array
+            of integers, or a messages file that is not a JSON array.
     """
     given = {
         "text": positional,
         "prompt": getattr(args, "prompt", None),
         "prompt_file": getattr(args, "prompt_file", None),
         "tokens_file": getattr(args, "tokens_file", None),
+        "messages_file": getattr(args, "messages_file", None),
     }
     chosen = {k: v for k, v in given.items() if v is not None}
     if len(chosen) > 1:
         raise CLIError(f"give one prompt source, got {', '.join(chosen)}")
     if "tokens_file" in chosen:
-        try:
-            tokens = json.loads(Path(chosen["tokens_file"]).read_text())
-        except OSError as e:
-            raise CLIError(f"--tokens-file: {e}") from e
-        except json.JSONDecodeError as e:
-            raise CLIError(f"--tokens-file must hold a JSON array of integers: {e}") from e
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        tokens = _json_file("--tokens-file", chosen["tokens_file"], "integers")
+        if not all(isinstance(t, int) for t in tokens):
             raise CLIError("--tokens-file must hold a JSON array of integers")
         return {"tokens": tokens}
+    if "messages_file" in chosen:
+        messages = _json_file("--messages-file", chosen["messages_file"],
+                              '{"role": ..., "content": ...} objects')
+        return {"messages": messages,
+                "add_generation_prompt": not getattr(args, "no_generation_prompt", False)}
     if "prompt_file" in chosen:
         try:
             return {"prompt": Path(chosen["prompt_file"]).read_text()}
@@ -96,6 +99,34 @@ def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dic
             raise CLIError(f"--prompt-file: {e}") from e
     text = chosen.get("text", chosen.get("prompt"))
     return {"prompt": SAMPLE_PROMPT if text is None else text}
+
+
+def _json_file(flag: str, path: str, items: str) -> list:
+    """The JSON array in file `path` (`flag` and `items` name it in errors).
+
+    Raises:
+        CLIError: the file is unreadable, not JSON, or not an array.
+    """
+    want = f"{flag} must hold a JSON array of {items}"
+    try:
+        value = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise CLIError(f"{flag}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{want}: {e}") from e
+    if not isinstance(value, list):
+        raise CLIError(want)
+    return value
+
+
+def add_messages_flags(p: argparse.ArgumentParser, group=None) -> None:
+    """``--messages-file`` (in `group` when given) and ``--no-generation-prompt`` on `p`."""
+    (group or p).add_argument(
+        "--messages-file",
+        help='a file holding a JSON array of chat messages {"role": ..., "content": ...}, '
+             "rendered with the model's chat template")
+    p.add_argument("--no-generation-prompt", action="store_true",
+                   help="with --messages-file: do not end with the assistant's turn opening")
 
 
 def result_record(status: JobStatus, result: PrefillResult | None) -> dict:
@@ -210,6 +241,7 @@ def add_submit(sub) -> None:
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     src.add_argument("--tokens-file", help="a file holding a JSON array of token ids")
+    add_messages_flags(submit, src)
     submit.add_argument("--model", default=DEFAULT_MODEL)
     submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                         help=f"top next tokens to keep (default {DEFAULT_TOP_K})")

@@ -92,6 +92,7 @@ class PrefillClient:
         *,
         tokens: Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
         model: str = DEFAULT_MODEL,
         top_k: int = DEFAULT_TOP_K,
         logits: str | LogitsMode = LogitsMode.TOP_K,
@@ -105,21 +106,28 @@ class PrefillClient:
         """Enqueue a prefill; returns the job id.
 
         Exactly one of `prompt` (text; BOS per the model, special tokens parsed unless
-        `parse_special` is False) or `tokens` (ids) is given. `messages` (chat) arrives
-        with sessions and is rejected for now.
+        `parse_special` is False), `tokens` (ids) or `messages` is given. `messages` is a
+        chat, ``[{"role": "user", "content": "..."}, ...]``: the worker renders it with the
+        model's chat template (ending with the assistant's opening unless
+        `add_generation_prompt` is False) and tokenizes the text once, special tokens
+        parsed and no BOS added beyond the template's own. A model without a template fails
+        the job with ``ChatTemplateMissing``; a template that refuses the chat (e.g. roles
+        out of order) with ``ChatTemplateError`` and the template's message.
 
         Raises:
-            InvalidRequest: no input or two, empty/whitespace prompt, empty token list, bad
-                top_k, logits, chunk_tokens or max_attempts; `PromptTooLong` (a subclass):
-                more token ids than the model's context.
+            InvalidRequest: no input or two, empty/whitespace prompt, empty token list,
+                malformed messages, bad add_generation_prompt, top_k, logits, chunk_tokens
+                or max_attempts; `PromptTooLong` (a subclass): more token ids than the
+                model's context.
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
             QueueFull: the model's intake queue is at `max_queue_depth`.
         """
         record = new_record(
-            uuid.uuid4().hex, prompt=prompt, tokens=tokens, messages=messages, model=model,
-            top_k=top_k, logits=logits, parse_special=parse_special, session=session,
-            priority=priority, chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
+            uuid.uuid4().hex, prompt=prompt, tokens=tokens, messages=messages,
+            add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
+            logits=logits, parse_special=parse_special, session=session, priority=priority,
+            chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
             max_attempts=max_attempts, enqueued_at=now(),
         )
         check_against_model(record, self._model(model))

@@ -4,7 +4,8 @@ Every reader and writer of the hash goes through it: `submit` writes a new recor
 decodes one, the worker decodes one to start a job. The Lua scripts in `jobs.scripts` update
 single fields by the same names. In Redis every field is a string: integers and floats in
 decimal, flags as ``0``/``1``, enums as their value, token ids and the chunk plan as msgpack,
-the result as a msgpack blob; a missing field (or an empty string) is the field's default.
+chat messages as a msgpack list of ``{role, content}`` maps, the result as a msgpack blob; a
+missing field (or an empty string) is the field's default.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ from .serializer import packb, unpackb
 class JobRecord:
     """A job as stored in Redis. Times are UTC epoch seconds; sizes are in tokens.
 
-    The input is exactly one of `prompt` (text) and `tokens` (ids). Fields from `state` on
-    are written by the worker and the scripts; `chunk_plan` is the chunk boundaries (end
-    positions) decided once when a worker first plans the job, so every worker continues it
-    at the same boundaries.
+    The input is exactly one of `prompt` (text), `tokens` (ids) and `messages` (chat,
+    ``[{"role": str, "content": str}, ...]``, rendered by the worker with the model's chat
+    template, ending with the assistant's opening when `add_generation_prompt`). Fields from
+    `state` on are written by the worker and the scripts; `chunk_plan` is the chunk
+    boundaries (end positions) decided once when a worker first plans the job, so every
+    worker continues it at the same boundaries.
     """
 
     job_id: str
     model: str
     prompt: str | None = None
     tokens: list[int] | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
     top_k: int = DEFAULT_TOP_K
     logits_mode: LogitsMode = LogitsMode.TOP_K
     parse_special: bool = True
@@ -139,6 +144,13 @@ def _ids(blob: bytes) -> list[int]:
     return [int(t) for t in unpackb(blob)]
 
 
+def _messages(blob: bytes) -> list[dict]:
+    messages = unpackb(blob)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages is not a msgpack list of maps")
+    return messages
+
+
 # Python type of a field (as annotated) -> (encode for HSET, decode from the reply)
 _BY_TYPE = {
     "str": (str, _text),
@@ -148,6 +160,7 @@ _BY_TYPE = {
     "JobState": (lambda s: s.value, lambda b: JobState(b.decode())),
     "LogitsMode": (lambda m: m.value, lambda b: LogitsMode(b.decode())),
     "list[int]": (packb, _ids),
+    "list[dict]": (packb, _messages),
     "bytes": (bytes, bytes),
 }
 

@@ -7,8 +7,9 @@ in the worker (after tokenizing a text prompt), so both raise the same typed err
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .defaults import MAX_TOP_K
 from .errors import EmptyPrompt, InvalidRequest, PromptTooLong, TokenOutOfRange
@@ -46,12 +47,63 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, context_length: int) ->
         )
 
 
+# the keys of one chat message: the template reads both, and nothing else is stored
+MESSAGE_KEYS = frozenset({"role", "content"})
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """Copies of `messages` if they are a chat the worker can render, else raise.
+
+    Returns:
+        ``[{"role": str, "content": str}, ...]`` in the given order.
+
+    Raises:
+        InvalidRequest: `messages` is not a non-empty list, or an entry is not a dict with
+            exactly the keys ``role`` and ``content``, both strings, the role non-empty.
+    """
+    if not isinstance(messages, (list, tuple)) or len(messages) == 0:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or set(message) != MESSAGE_KEYS:
+            keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+            raise InvalidRequest(f"messages[{i}] must be a dict with keys role and content, "
+                                 f"got {keys}")
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}]: role must be a non-empty string and content "
+                                 f"a string, got {type(role).__name__} and "
+                                 f"{type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _check_input(prompt: str | None, tokens: Sequence[int] | None, messages: Any,
+                 add_generation_prompt: Any) -> list[dict[str, str]] | None:
+    """Exactly one input, well formed; returns the checked `messages` (or None).
+
+    Raises:
+        InvalidRequest: as `new_record`.
+    """
+    if sum(x is not None for x in (prompt, tokens, messages)) != 1:
+        raise InvalidRequest("give exactly one of prompt, tokens or messages")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        raise InvalidRequest("prompt is empty")
+    if tokens is not None and len(tokens) == 0:
+        raise InvalidRequest("tokens is empty")
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidRequest(f"add_generation_prompt must be True or False, "
+                             f"got {add_generation_prompt!r}")
+    return None if messages is None else check_messages(messages)
+
+
 def new_record(
     job_id: str,
     *,
     prompt: str | None,
     tokens: Sequence[int] | None,
     messages: Sequence[dict] | None,
+    add_generation_prompt: bool = True,
     model: str,
     top_k: int,
     logits: str | LogitsMode,
@@ -65,20 +117,15 @@ def new_record(
 ) -> JobRecord:
     """Check a submit's arguments (see `PrefillClient.submit`) and build its queued record.
 
-    Token ids are not checked against the model here (`check_token_ids` does that).
+    Token ids are not checked against the model here (`check_token_ids` does that), nor
+    messages against its chat template (the worker renders them).
 
     Raises:
-        InvalidRequest: no input or two, empty/whitespace prompt, empty token list, bad
-            top_k, logits, chunk_tokens or max_attempts.
+        InvalidRequest: no input or two, empty/whitespace prompt, empty token list, malformed
+            messages (`check_messages`), a non-bool add_generation_prompt, bad top_k,
+            logits, chunk_tokens or max_attempts.
     """
-    if sum(x is not None for x in (prompt, tokens, messages)) != 1:
-        raise InvalidRequest("give exactly one of prompt, tokens or messages")
-    if messages is not None:
-        raise InvalidRequest("messages (chat templates) are not supported yet")
-    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
-        raise InvalidRequest("prompt is empty")
-    if tokens is not None and len(tokens) == 0:
-        raise InvalidRequest("tokens is empty")
+    messages = _check_input(prompt, tokens, messages, add_generation_prompt)
     if not 0 <= int(top_k) <= MAX_TOP_K:
         raise InvalidRequest(f"top_k must be in [0, {MAX_TOP_K}], got {top_k}")
     try:
@@ -94,6 +141,8 @@ def new_record(
         model=model,
         prompt=prompt,
         tokens=None if tokens is None else [int(t) for t in tokens],
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
         top_k=int(top_k),
         logits_mode=logits_mode,
         parse_special=bool(parse_special),

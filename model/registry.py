@@ -25,6 +25,7 @@ from .planner import ChunkPlan
 from .prefill import Prefill, PrefillModel, start_prefill
 from .runtime.streams import cpu_streams
 from .tokenizer import Tokenizer
+from .tokenizer.chat import builtin_template
 
 # The real model every machine can run (the client's default model name, jobs.defaults).
 GEMMA3_270M = "gemma3-270m"
@@ -77,6 +78,12 @@ BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
     "gemma3-tiny": tiny_gemma3_path,
     # random weights, DeepSeek-V4 equations at small dims (docs/deepseek4-tiny.md)
     "deepseek4-tiny": tiny_deepseek4_path,
+}
+
+# Built-in models whose GGUF carries no ``tokenizer.chat_template``: name -> the
+# `model.tokenizer.chat.builtin_template` their chat messages are rendered with.
+BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
+    GEMMA3_270M: "gemma3",  # the packaged GGUF was converted without its template
 }
 
 # Models known by their config alone (no weights here), for `plan_for` only:
@@ -156,6 +163,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a model by registry name (or ``name=path``): GGUF, weights, tokenizer.
 
+    A built-in model named in `BUILTIN_CHAT_TEMPLATES` gets that chat template when its GGUF
+    has none; an operator's ``name=path`` GGUF only its own.
+
     Args:
         dtype: compute/KV dtype; default float32 on CPU, bfloat16 on GPU.
         context_length: cap the serving context below the GGUF's.
@@ -171,7 +181,10 @@ def load_model(
     arch = _arch_of(gguf)
     dtype = dtype or default_dtype()
     model = arch.load(gguf, dtype)
-    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    fallback = BUILTIN_CHAT_TEMPLATES.get(name) if "=" not in spec else None
+    tokenizer = Tokenizer.from_gguf_metadata(
+        gguf.metadata, default_chat_template=builtin_template(fallback) if fallback else None
+    )
     ctx = model.args.context_length
     return LoadedModel(
         name=name,

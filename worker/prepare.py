@@ -106,11 +106,16 @@ def recorded_plan(record: JobRecord, n_tokens: int) -> ChunkPlan | None:
 
 
 def token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:
-    """The job's prompt as token ids (BOS per the model for text).
+    """The job's prompt as token ids: given ids, text (BOS per the model), or chat
+    messages rendered with the model's chat template (tokenized once, no extra BOS).
 
     Raises:
-        TokenizerError: the text cannot be tokenized.
+        TokenizerError: the text cannot be tokenized; ``ChatTemplateError`` (a subclass):
+            the messages cannot be rendered.
     """
     if record.tokens is not None:
         return record.tokens
+    if record.messages is not None:  # ChatTemplateError is a TokenizerError: input error
+        return loaded.tokenizer.apply_chat_template(
+            record.messages, add_generation_prompt=record.add_generation_prompt)
     return loaded.tokenizer.encode(record.prompt or "", parse_special=record.parse_special)

@@ -8,7 +8,8 @@ Two ``tokenizer.ggml.model`` values are supported, one module each:
   DeepSeek V3/V4, Llama 3 and Qwen 2.
 
 Both build a `tokenizers` object that `Tokenizer` wraps. llama.cpp's tokenizers are in its
-``src/llama-vocab.cpp``.
+``src/llama-vocab.cpp``. Chat messages are rendered with the GGUF's chat template
+(`model.tokenizer.chat`) and tokenized like a prompt.
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from .bpe import GPT2_PRE_TOKENIZERS, build_bpe
+from .chat import ChatTemplate, ChatTemplateError, ChatTemplateMissing
 from .spm import build_spm
 from .vocab import BuiltTokenizer, TokenizerError
 
-__all__ = ["GPT2_PRE_TOKENIZERS", "Tokenizer", "TokenizerError"]
+__all__ = [
+    "GPT2_PRE_TOKENIZERS",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ChatTemplateMissing",
+    "Tokenizer",
+    "TokenizerError",
+]
 
 # ``tokenizer.ggml.model`` -> the builder of its tokenizer
 _BUILDERS: dict[str, Callable[[Mapping[str, Any]], BuiltTokenizer]] = {
@@ -48,11 +57,13 @@ class Tokenizer:
         add_bos: bool,
         vocab_size: int,
         piece_bytes: list[bytes] | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         """Wraps a built `tokenizers` object; use `from_gguf_metadata` to get one.
 
         `piece_bytes` (byte-level vocabularies) gives each id's bytes for `decode`, which
-        otherwise asks the `tokenizers` decoder.
+        otherwise asks the `tokenizers` decoder. `chat_template` renders `apply_chat_template`'s
+        messages (None: the model has no template).
         """
         self._hf = hf
         self._bos_id = bos_id
@@ -60,16 +71,21 @@ class Tokenizer:
         self._add_bos = add_bos
         self._vocab_size = vocab_size
         self._piece_bytes = piece_bytes
+        self._chat_template = chat_template
         self._lock = threading.Lock()
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], *, default_chat_template: str | None = None
+    ) -> Tokenizer:
         """Builds the tokenizer from GGUF key-value metadata (as `model.gguf.reader` returns it).
 
         Takes about 3 s for Gemma 3's 262,144-token vocabulary, mostly deriving merges.
 
         Args:
-            metadata: GGUF metadata; reads the ``tokenizer.ggml.*`` keys.
+            metadata: GGUF metadata; reads the ``tokenizer.ggml.*`` keys and
+                ``tokenizer.chat_template`` (compiled here, once).
+            default_chat_template: template text for a GGUF without ``tokenizer.chat_template``.
 
         Returns:
             The tokenizer.
@@ -86,6 +102,10 @@ class Tokenizer:
         if build is None:
             raise TokenizerError(f"tokenizer.ggml.model {model!r} is not supported")
         built = build(metadata)
+        template = ChatTemplate.from_gguf_metadata(
+            metadata, metadata["tokenizer.ggml.tokens"], bos_id=built.bos_id,
+            eos_id=built.eos_id, default=default_chat_template,
+        )
         return cls(
             built.hf,
             bos_id=built.bos_id,
@@ -93,6 +113,7 @@ class Tokenizer:
             add_bos=built.add_bos,
             vocab_size=built.vocab_size,
             piece_bytes=built.piece_bytes,
+            chat_template=template,
         )
 
     @property
@@ -133,6 +154,48 @@ class Tokenizer:
                 return self._hf.encode(text, add_special_tokens=with_bos).ids
             finally:
                 self._hf.encode_special_tokens = False
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The compiled chat template, or None when the model has none."""
+        return self._chat_template
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of chat `messages` (see `ChatTemplate.render`).
+
+        Raises:
+            ChatTemplateMissing: the model has no chat template.
+            ChatTemplateError: the template fails on these messages (its message says why).
+        """
+        if self._chat_template is None:
+            raise ChatTemplateMissing(
+                "this model has no chat template (no tokenizer.chat_template in its GGUF): "
+                "submit a prompt or token ids instead of messages"
+            )
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of chat `messages`: `render_chat`, then one `encode` with special tokens
+        parsed and no BOS added, since a template writes its own ``bos_token`` (as
+        transformers' ``apply_chat_template(tokenize=True)``, which encodes with
+        ``add_special_tokens=False``).
+
+        Args:
+            messages: ``[{"role": str, "content": str}, ...]``, oldest first.
+            add_generation_prompt: end with the opening of the assistant's turn.
+
+        Returns:
+            The token ids.
+
+        Raises:
+            ChatTemplateMissing, ChatTemplateError: as `render_chat`.
+        """
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_bos=False, parse_special=True)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of a token id sequence.

@@ -81,3 +81,49 @@ def test_a_closed_stdout_is_not_an_error():
          "deepseek4-flash | head -1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("deepseek4-flash: 43 layers") and proc.stderr == ""
+
+
+def test_submit_messages_file_needs_no_mlx_nor_jinja(redis_server, tmp_path):
+    import redis
+
+    from jobs.record import JobRecord
+
+    r = redis.Redis.from_url(redis_server)
+    r.flushall()
+    r.hset(keys.MODELS, "m", packb({"vocab_size": 100, "context_length": 64,
+                                    "architecture": "gemma3", "sha256": "0" * 64}))
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(chat))
+    light = ("model", "jinja2", *WORKER_EXTRA)
+    for extra, generation_prompt in (((), True), (("--no-generation-prompt",), False)):
+        proc = light_prefillq("submit", "--redis", redis_server, "--model", "m",
+                              "--messages-file", str(path), *extra, blocked=light)
+        assert proc.returncode == 0, proc.stderr
+        job_id = proc.stdout.split()[-1]
+        record = JobRecord.from_hash(job_id, r.hgetall(keys.job(job_id)))
+        assert record.messages == chat and record.prompt is None and record.tokens is None
+        assert record.add_generation_prompt is generation_prompt
+
+
+def test_a_bad_messages_file_is_a_one_line_error(redis_server, tmp_path):
+    import redis
+
+    redis.Redis.from_url(redis_server).hset(keys.MODELS, "m", packb(
+        {"vocab_size": 100, "context_length": 64, "architecture": "gemma3", "sha256": "0" * 64}))
+    cases = {
+        "{": "--messages-file must hold a JSON array of",
+        '{"role": "user", "content": "Hi"}': "--messages-file must hold a JSON array of",
+        '[{"role": "user"}]': "messages[0] must be a dict with keys role and content",
+    }
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"bad{i}.json"
+        path.write_text(text)
+        proc = light_prefillq("submit", "--redis", redis_server, "--model", "m",
+                              "--messages-file", str(path))
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("prefillq: error: ") and message in lines[0]
+    both = light_prefillq("submit", "--redis", redis_server, "--prompt", "x",
+                          "--messages-file", str(path))
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

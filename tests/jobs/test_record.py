@@ -9,6 +9,7 @@ import pytest
 from jobs import JobState, LogitsMode
 from jobs.defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_TOP_K
 from jobs.record import JobRecord
+from jobs.serializer import packb
 
 
 def roundtrip(redis_conn, record: JobRecord) -> JobRecord:
@@ -20,7 +21,8 @@ def roundtrip(redis_conn, record: JobRecord) -> JobRecord:
 
 def test_every_field_survives_redis(redis_conn):
     record = JobRecord(
-        job_id="j1", model="gemma3-tiny", tokens=[2, 0, 262_143], top_k=0,
+        job_id="j1", model="gemma3-tiny", tokens=[2, 0, 262_143],
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False, top_k=0,
         logits_mode=LogitsMode.FULL, parse_special=False, priority=-3, chunk_tokens=7,
         session="s", idempotency_key="k", max_attempts=5, enqueued_at=1.25,
         state=JobState.FAILED, attempts=2, failures=1, cursor=40, chunks_done=3,
@@ -32,12 +34,26 @@ def test_every_field_survives_redis(redis_conn):
     assert roundtrip(redis_conn, record) == record
 
 
+def test_messages_and_the_generation_flag_survive_redis(redis_conn):
+    chat = [{"role": "system", "content": "Sé breve. <b>\u2581</b>"},
+            {"role": "user", "content": "<start_of_turn>Hi\n"},
+            {"role": "assistant", "content": ""}]
+    record = JobRecord(job_id="j6", model="m", messages=chat, add_generation_prompt=False)
+    written = record.to_hash()
+    assert isinstance(written["messages"], bytes) and written["add_generation_prompt"] == 0
+    back = roundtrip(redis_conn, record)
+    assert back.messages == chat and back.add_generation_prompt is False
+    assert back.prompt is None and back.tokens is None
+    assert roundtrip(redis_conn, JobRecord(job_id="j7", model="m", prompt="hi")).messages is None
+
+
 def test_missing_fields_take_the_dataclass_defaults(redis_conn):
     back = roundtrip(redis_conn, JobRecord(job_id="j2", model="m", prompt="hi"))
     assert back.state is JobState.QUEUED
     assert back.top_k == DEFAULT_TOP_K and back.max_attempts == DEFAULT_MAX_ATTEMPTS
     assert back.tokens is None and back.chunk_plan is None and back.worker is None
     assert back.parse_special is True and back.cancel_requested is False
+    assert back.messages is None and back.add_generation_prompt is True
 
 
 def test_none_fields_are_not_written():
@@ -66,3 +82,6 @@ def test_status_derives_progress_and_error():
 def test_a_corrupt_field_raises_value_error():
     with pytest.raises(ValueError):
         JobRecord.from_hash("j6", {b"model": b"m", b"cursor": b"ten"})
+    for not_a_chat in (packb("hi"), packb([1, 2])):
+        with pytest.raises(ValueError, match="messages"):
+            JobRecord.from_hash("j6", {b"model": b"m", b"messages": not_a_chat})

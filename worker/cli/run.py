@@ -11,7 +11,14 @@ import sys
 import threading
 
 from jobs import PrefillClient
-from jobs.cli import SAMPLE_PROMPT, add_redis, finish, positive_int, prompt_input
+from jobs.cli import (
+    SAMPLE_PROMPT,
+    add_messages_flags,
+    add_redis,
+    finish,
+    positive_int,
+    prompt_input,
+)
 from jobs.defaults import DEFAULT_MODEL
 
 from .loading import load_models
@@ -71,6 +78,7 @@ def add_run(sub) -> None:
     run = sub.add_parser("run", help="prefill one prompt and print the top next tokens")
     run.add_argument("text", nargs="?", help=f"prompt text (default {SAMPLE_PROMPT!r})")
     run.add_argument("--prompt-file")
+    add_messages_flags(run)
     run.add_argument("--model", default=DEFAULT_MODEL)
     run.add_argument("--top-k", type=int, default=10, help="tokens to print (default 10)")
     run.add_argument("--chunk-tokens", type=positive_int,
