@@ -5,8 +5,10 @@ into it, the state to recompute its last logits, and its turn anchor; the next j
 session prefills only what its prompt adds (`model.session.session_prefill` decides how much
 it reuses). While a slot is kept, Redis names this worker as the session's holder
 (``keys.session_holder``) so the client routes the session's next job to this worker's own
-queue. A slot is checked out (`take`) while its job is resident and kept again (`keep`) when
-the job leaves this worker, finished or not: a slot is consistent after every chunk.
+queue; routing stops when the worker's heartbeat does (a stopped or dead worker), and the
+slots die with the process. A slot is checked out (`take`) while its job is resident and
+kept again (`keep`) when the job leaves this worker, finished or not: a slot is consistent
+after every chunk.
 
 Bounds: at most ``max_slots`` slots and ``max_bytes`` bytes (``SessionSlot.nbytes``: KV rows,
 the anchor's copies); the least recently used slot is evicted first, and a slot larger than
@@ -113,16 +115,6 @@ class SessionSlots:
         """Forget `session` here: drop its slot (kept or checked out) and its holder key."""
         self._kept.pop(session, None)
         self._scripts.release_session(keys=[keys.session_holder(session)], args=[self.worker])
-
-    def clear(self) -> None:
-        """Drop every slot and the holder keys naming this worker (it is stopping)."""
-        sessions = list(self._kept)
-        self._kept.clear()
-        with self.connection.pipeline(transaction=False) as pipe:
-            for session in sessions:
-                self._scripts.release_session(keys=[keys.session_holder(session)],
-                                              args=[self.worker], client=pipe)
-            pipe.execute()
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.nbytes > self.max_bytes

@@ -284,12 +284,10 @@ class PrefillWorker(SimpleWorker):
     def teardown(self) -> None:
         self.hand_back_active()
         self.stepper.settle()
-        try:  # sessions die with the process; jobs routed here go to intake
-            self.sessions.clear()
+        try:  # jobs routed here go to intake (routing to this worker ends with its heartbeat)
             move_to_intake(self.connection, self.name)
         except Exception:
-            log.warning("could not hand back %s's own queue and sessions", self.name,
-                        exc_info=True)
+            log.warning("could not move %s's own queue to intake", self.name, exc_info=True)
         self.liveness.stop()
         try:
             self.liveness.deregister()
