@@ -2,15 +2,16 @@
 
 A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
 validate submits, and keeps ``keys.worker_heartbeat(name)`` alive from its own thread
-(every ttl/6, so a long chunk never delays it). Once per ttl it also runs the reaper
-(`jobs.reaper.reap`), which requeues the jobs of workers whose heartbeat expired.
+(every ttl/6, so a long chunk never delays it). Every beat it also runs the reaper
+(`jobs.reaper.reap`, two commands when no worker died), which requeues the jobs of workers
+whose heartbeat expired and moves the jobs routed to them to intake: a job waits on a dead
+worker at most one heartbeat TTL and one beat.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 
 from jobs import keys
@@ -81,17 +82,14 @@ class Heartbeat:
         self.connection.srem(keys.WORKERS, self.name)
 
     def _loop(self) -> None:
-        # The key outlives several missed beats; dead workers are looked for once per ttl.
+        # The key outlives several missed beats; dead workers are looked for every beat.
         interval = self.ttl_s / 6
-        next_reap = time.monotonic() + self.ttl_s
         while not self._stop.wait(interval):
             try:
                 self.register_models()  # idempotent; restores a Redis that lost its data
                 if self.on_beat is not None:
                     self.on_beat()
-                if time.monotonic() >= next_reap:
-                    next_reap = time.monotonic() + self.ttl_s
-                    reap(self.connection, result_ttl_s=self.result_ttl_s)
+                reap(self.connection, result_ttl_s=self.result_ttl_s)
             except Exception as error:  # a Redis outage must not kill the beat thread
                 log.warning("heartbeat or reap failed (%s); retrying", error,
                             exc_info=not refused_write(error))
