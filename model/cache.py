@@ -30,6 +30,33 @@ from .cache_state import (
     save_buffers,
 )
 
+# hf2q grows a serving cache in steps of this many tokens (its ``INITIAL_CACHE_LENGTH``).
+SERVING_CAPACITY_STEP_TOKENS = 131_072
+
+
+def cache_capacity_for_request(
+    serving_context: int,
+    current_capacity: int,
+    prompt_tokens: int,
+    max_tokens: int = 1,
+    step: int = SERVING_CAPACITY_STEP_TOKENS,
+) -> int:
+    """Tokens of cache a request needs: `current_capacity` if ``prompt_tokens + max_tokens - 1``
+    fits in it, else that need rounded up to a multiple of `step`, capped at `serving_context`.
+
+    Source: hf2q ``cache_capacity_for_request`` (seed ``000_5548d34d07140090``), with its
+    131,072-token step made a parameter so small caches can grow in small steps.
+
+    Raises:
+        ValueError: `step` < 1.
+    """
+    if step < 1:
+        raise ValueError(f"capacity step must be >= 1 token, got {step}")
+    required = min(prompt_tokens + max(max_tokens, 1) - 1, serving_context)
+    if required <= current_capacity:
+        return current_capacity
+    return min(-(-required // step) * step, serving_context)
+
 
 class CacheError(RuntimeError):
     """Base class of cache errors."""

@@ -159,8 +159,14 @@ class RingKVCache:
 
 @dataclass(frozen=True)
 class CacheSnapshot:
+    """Rollback point: the position and, per layer, a ring copy (None for a global layer)."""
+
     position: int
     layers: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for saved in self.layers if saved is not None for a in saved)
 
 
 class ModelCache(CommittedCache):
@@ -176,6 +182,8 @@ class ModelCache(CommittedCache):
         kv_dtype: row dtype (float32 on CPU, bfloat16/float16 on GPU).
         capacity: tokens to reserve in global layers now (grows on demand past it).
         architecture: the model's name, recorded in `state` and checked by `from_state`.
+        capacity_step: tokens a caller's explicit `grow` steps by (recorded for sessions;
+            growth inside a forward pass always steps by ``CAPACITY_STEP_TOKENS``).
     """
 
     def __init__(
@@ -185,9 +193,10 @@ class ModelCache(CommittedCache):
         kv_dtype: mx.Dtype = mx.float32,
         capacity: int = 0,
         architecture: str = "",
+        capacity_step: int = CAPACITY_STEP_TOKENS,
     ):
         self.specs, self.context_length, self.kv_dtype = list(specs), context_length, kv_dtype
-        self.architecture = architecture
+        self.architecture, self.capacity_step = architecture, capacity_step
         capacity = min(capacity, context_length)
         self.layers = [
             GlobalKVCache(s, kv_dtype, capacity) if s.window is None else RingKVCache(s, kv_dtype)
@@ -272,3 +281,29 @@ class ModelCache(CommittedCache):
             layer.restore(saved)
         self.position = snapshot.position
         self._poisoned = False
+
+    def grow(self, capacity: int, snapshot: CacheSnapshot | None = None) -> CacheSnapshot | None:
+        """Reallocate the global layers for `capacity` tokens, migrating the live prefix
+        (rows ``[0, position)``); rings keep their fixed size. No reset.
+
+        Returns `snapshot` (a rollback point of this cache at or before ``position``), which
+        stays valid: its global rows are below the position and were migrated.
+
+        Raises:
+            CachePoisoned: the cache holds a half-written chunk.
+            ValueError: `capacity` is not above the current capacity or past the context, or
+                `snapshot` is ahead of the position.
+        """
+        if self._poisoned:
+            raise CachePoisoned("cannot grow a poisoned cache")
+        if not self.capacity < capacity <= self.context_length:
+            raise ValueError(f"cannot grow a cache of {self.capacity} tokens to {capacity} "
+                             f"(context {self.context_length})")
+        if snapshot is not None and snapshot.position > self.position:
+            raise ValueError(f"snapshot at {snapshot.position} is ahead of the cache's "
+                             f"{self.position}")
+        for layer in self.layers:
+            if isinstance(layer, GlobalKVCache):
+                layer._grow(capacity, self.position)
+        mx.eval(self.arrays())
+        return snapshot

@@ -29,7 +29,11 @@ class PrefillModel(Protocol):
     def logits(self, hidden: mx.array) -> mx.array: ...
 
     def make_cache(
-        self, kv_dtype: mx.Dtype = ..., capacity: int = ..., context_length: int = ...
+        self,
+        kv_dtype: mx.Dtype = ...,
+        capacity: int = ...,
+        context_length: int = ...,
+        capacity_step: int | None = ...,
     ) -> ModelCache: ...
 
 
@@ -108,9 +112,14 @@ def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
 
 @dataclass
 class Prefill:
-    """A cold prefill in progress: token ids, chunk plan and the job's KV cache.
+    """A prefill in progress: token ids, chunk plan and the job's KV cache.
 
-    The cursor is ``cache.position`` (one source of truth). Create with `start_prefill`.
+    The cursor is ``cache.position`` (one source of truth). Create with `start_prefill` (cold)
+    or `model.session.session_prefill` (from a session's retained cache).
+
+    Attributes:
+        cached_tokens: tokens the cache held when this prefill started (reused, not run).
+        reuse: how they were reused: ``cold`` here; `model.session` names the others.
     """
 
     model: PrefillModel
@@ -140,6 +149,11 @@ class Prefill:
     def launched(self) -> bool:
         """A chunk was launched and its `step` has not run yet."""
         return self._launched is not None
+
+    @property
+    def hidden(self) -> mx.array | None:
+        """The last committed position's final hidden state, float ``(1, hidden)``, or None."""
+        return self._hidden
 
     def step(self) -> int:
         """Run the next chunk (or finish the one `launch` started); returns the number of
@@ -208,6 +222,22 @@ class Prefill:
         self._launched = None
 
 
+def check_prompt(token_ids: Sequence[int], vocab_size: int, context_length: int) -> list[int]:
+    """`token_ids` as a list of ints, checked against the vocabulary and the context.
+
+    Raises:
+        ValueError: no ids, more than `context_length` of them, or an id outside
+            ``[0, vocab_size)``.
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids or len(ids) > context_length:
+        raise ValueError(f"a prompt of {len(ids)} tokens does not fit a context of "
+                         f"{context_length}")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
 def start_prefill(
     model: PrefillModel,
     token_ids: Sequence[int],
@@ -234,12 +264,7 @@ def start_prefill(
         ValueError: no ids, an id outside the vocabulary, more ids than `context_length`,
             or a `plan` for another prompt length or start.
     """
-    ids = [int(t) for t in token_ids]
-    if not ids or len(ids) > context_length:
-        raise ValueError(f"a prompt of {len(ids)} tokens does not fit a context of "
-                         f"{context_length}")
-    if not all(0 <= t < vocab_size for t in ids):
-        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+    ids = check_prompt(token_ids, vocab_size, context_length)
     if plan is None:
         plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens)
     elif plan.n_tokens != len(ids) or plan.start != 0 or plan.boundaries[-1] != len(ids):

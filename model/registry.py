@@ -24,6 +24,7 @@ from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .planner import ChunkPlan
 from .prefill import Prefill, PrefillModel, start_prefill
 from .runtime.streams import cpu_streams
+from .session import SessionSlot, session_prefill
 from .tokenizer import Tokenizer
 from .tokenizer.chat import builtin_template
 
@@ -136,6 +137,28 @@ class LoadedModel:
             chunk_tokens=chunk_tokens,
             kv_dtype=self.dtype,
             plan=plan,
+        )
+
+    def session_prefill(
+        self,
+        slot: SessionSlot | None,
+        token_ids: Sequence[int],
+        chunk_tokens: int | None = None,
+        plan: ChunkPlan | None = None,
+        capacity_step: int | None = None,
+    ) -> tuple[Prefill, SessionSlot]:
+        """The prefill of a session's next prompt from `slot` (None: a new slot), on this
+        model's serving limits and dtype (see `model.session.session_prefill`)."""
+        return session_prefill(
+            self.model,
+            slot,
+            token_ids,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            chunk_tokens=chunk_tokens,
+            kv_dtype=self.dtype,
+            plan=plan,
+            capacity_step=capacity_step,
         )
 
 

@@ -12,7 +12,8 @@ An architecture module provides (see `gemma3`):
 - ``ModelArgs``, a dataclass with ``from_gguf(gguf) -> ModelArgs`` (metadata only) and
   ``context_length`` and ``vocab_size`` attributes.
 - ``load(gguf, dtype) -> Model``: the weights, dequantized to `dtype`.
-- ``Model.make_cache(kv_dtype, capacity, context_length)``: an empty KV cache.
+- ``Model.make_cache(kv_dtype, capacity, context_length, capacity_step=None)``: an empty KV
+  cache; it has ``capacity_step`` and ``grow(capacity, snapshot=None)`` (sessions grow it).
 - ``cache_plan(args, context_length, kv_dtype)``: the cache's sizes, without allocating it.
 """
 

@@ -22,7 +22,7 @@ from ..cache import CachePlan, LayerSpec, plan_cache, window_mask
 from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
-from ..kv_cache import ModelCache
+from ..kv_cache import CAPACITY_STEP_TOKENS, ModelCache
 from ..runtime.streams import split_map
 
 ARCHITECTURE = "gemma3"
@@ -282,10 +282,15 @@ class Model(nn.Module):
         return self.token_embd.as_linear(hidden)
 
     def make_cache(
-        self, kv_dtype: mx.Dtype = mx.float32, capacity: int = 0, context_length: int = 0
+        self,
+        kv_dtype: mx.Dtype = mx.float32,
+        capacity: int = 0,
+        context_length: int = 0,
+        capacity_step: int | None = None,
     ) -> ModelCache:
         ctx = context_length or self.args.context_length
-        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, ARCHITECTURE)
+        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, ARCHITECTURE,
+                          capacity_step or CAPACITY_STEP_TOKENS)
 
     def cache_from_state(self, state: CacheState) -> ModelCache:
         """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""

@@ -124,7 +124,9 @@ _COPIED_KINDS = ("window",) + STATE_KINDS
 
 
 class Deepseek4Cache(base.CommittedCache):
-    """One job's DeepSeek-V4 cache (the `model.cache.ModelCache` interface).
+    """One job's DeepSeek-V4 cache (the `model.kv_cache.ModelCache` interface).
+
+    ``capacity_step``: tokens the capacity grows by (`model.cache.cache_capacity_for_request`).
 
     Args:
         args: the model's `deepseek4.ModelArgs`.
@@ -151,16 +153,25 @@ class Deepseek4Cache(base.CommittedCache):
             raise Accounting(f"planned {cache_plan.resident_bytes} bytes, got {self.nbytes}")
         self.position = 0
         self._poisoned = False
+        self.capacity_step = INITIAL_CACHE_LENGTH
 
     @classmethod
     def for_model(
-        cls, args: Any, kv_dtype: mx.Dtype, capacity: int = 0, context_length: int = 0
+        cls,
+        args: Any,
+        kv_dtype: mx.Dtype,
+        capacity: int = 0,
+        context_length: int = 0,
+        capacity_step: int | None = None,
     ) -> Deepseek4Cache:
-        """A cache reserving `capacity` tokens now (grown in steps up to `context_length`)."""
+        """A cache reserving `capacity` tokens now, at least one step (``capacity_step``
+        tokens, default ``INITIAL_CACHE_LENGTH``), grown in such steps up to `context_length`."""
         ctx = context_length or args.context_length
-        initial = min(ctx, INITIAL_CACHE_LENGTH)
-        cap = cache_capacity_for_request(ctx, initial, max(capacity, 1), 1)
-        return cls(args, plan(args, cap, kv_dtype), ctx)
+        step = capacity_step or INITIAL_CACHE_LENGTH
+        cap = cache_capacity_for_request(ctx, min(ctx, step), max(capacity, 1), 1, step)
+        cache = cls(args, plan(args, cap, kv_dtype), ctx)
+        cache.capacity_step = step
+        return cache
 
     @property
     def capacity(self) -> int:
@@ -232,7 +243,8 @@ class Deepseek4Cache(base.CommittedCache):
                 f"context length {self.context_length}"
             )
         if end > self.capacity:
-            self.grow(cache_capacity_for_request(self.context_length, self.capacity, end, 1))
+            self.grow(cache_capacity_for_request(self.context_length, self.capacity, end, 1,
+                                                 self.capacity_step))
 
     def commit(self, n_tokens: int) -> None:
         """Advance the position after a chunk of `n_tokens` completed and was evaluated."""

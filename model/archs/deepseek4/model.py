@@ -333,9 +333,14 @@ class Model(nn.Module):
         return self.output(hidden)
 
     def make_cache(
-        self, kv_dtype: mx.Dtype = mx.float32, capacity: int = 0, context_length: int = 0
+        self,
+        kv_dtype: mx.Dtype = mx.float32,
+        capacity: int = 0,
+        context_length: int = 0,
+        capacity_step: int | None = None,
     ) -> Deepseek4Cache:
-        return Deepseek4Cache.for_model(self.args, kv_dtype, capacity, context_length)
+        return Deepseek4Cache.for_model(self.args, kv_dtype, capacity, context_length,
+                                        capacity_step)
 
     def cache_from_state(self, state: CacheState) -> Deepseek4Cache:
         """The cache `state` was saved from (`Deepseek4Cache.from_state`; raises

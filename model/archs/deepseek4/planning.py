@@ -26,7 +26,8 @@ ARCHITECTURE = "deepseek4"  # general.architecture of its GGUFs
 SUPPORTED_RATIOS = (0, 4, 128)
 OVERLAP_RATIO = 4  # only ratio-4 compressors overlap (and only ratio-4 layers index)
 # A serving cache grows in steps of this many tokens (hf2q's INITIAL_CACHE_LENGTH).
-INITIAL_CACHE_LENGTH = 131_072
+INITIAL_CACHE_LENGTH = base.SERVING_CAPACITY_STEP_TOKENS
+cache_capacity_for_request = base.cache_capacity_for_request  # the rule every cache grows by
 STATE_DTYPE = mx.float32
 STATE_KINDS = ("main_kv_state", "main_score_state", "indexer_kv_state", "indexer_score_state")
 
@@ -193,19 +194,6 @@ def plan(args: Any, context_length: int, kv_dtype: mx.Dtype = mx.bfloat16) -> De
         layers.append(LayerCachePlan(layer, r, tuple(buffers)))
     bpt = int(per_token) if per_token.denominator == 1 else float(per_token)
     return Deepseek4CachePlan(context_length, str(kv_dtype), W, tuple(layers), bpt, fixed)
-
-
-def cache_capacity_for_request(
-    serving_context: int, current_capacity: int, prompt_tokens: int, max_tokens: int
-) -> int:
-    """Capacity to hold a request: the current one if it fits, else the next multiple of
-    ``INITIAL_CACHE_LENGTH`` tokens, capped at `serving_context` (hf2q's
-    ``cache_capacity_for_request``)."""
-    required = min(prompt_tokens + max(max_tokens, 1) - 1, serving_context)
-    if required <= current_capacity:
-        return current_capacity
-    steps = -(-required // INITIAL_CACHE_LENGTH)
-    return min(steps * INITIAL_CACHE_LENGTH, serving_context)
 
 
 def plan_dtype(name: str) -> mx.Dtype:
