@@ -88,3 +88,15 @@ def test_scale_runs_worker_processes_on_one_redis(capsys, tmp_path):
     assert per_chunk["by_command"]["evalsha"] > 0  # the chunk's checkpoint script
     assert records["scale_redis_cpu_fraction"]["value"] < 1
     assert json.loads(out.read_text().splitlines()[0])["context"]["workers"] == 2
+
+
+def test_session_turn_over_cold_runs_on_the_tiny_model(capsys, tiny):
+    from bench.session import session_turn_over_cold
+
+    ids = [2, *(260 + i % 100 for i in range(231))]
+    session_turn_over_cold(Recorder(True, {}), tiny, history=200, new=16, turns=2, ids=ids)
+    record = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert record["metric"] == "session_turn_over_cold"
+    assert record["reuse"] == "live" and record["cached_tokens"] in (200, 216)
+    assert len(record["ratios"]) == 2
+    assert record["value"] == pytest.approx(min(record["ratios"]), abs=1e-4)
