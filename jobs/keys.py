@@ -16,6 +16,10 @@ CANCEL = PREFIX + ":{{{job_id}}}:cancel"
 LOGITS = PREFIX + ":{{{job_id}}}:logits"
 # Pub/sub channel: one message per chunk and one on the terminal state.
 EVENTS = PREFIX + ":{{{job_id}}}:events"
+# One part of a job's KV checkpoint number `seq` (1, 2, ...): its ``segment`` (append-only
+# rows since the previous checkpoint), ``fixed`` (rings, compressor state) and ``record``.
+CHECKPOINT = PREFIX + ":{{{job_id}}}:ckpt:{seq}:{part}"
+CHECKPOINT_PARTS = ("segment", "fixed", "record")
 # idempotency key -> job id
 IDEMPOTENCY = PREFIX + ":idem:{key}"
 
@@ -56,6 +60,33 @@ def logits(job_id: str) -> str:
 
 def events(job_id: str) -> str:
     return EVENTS.format(job_id=job_id)
+
+
+def checkpoint(job_id: str, seq: int, part: str) -> str:
+    """Key of `part` (one of ``CHECKPOINT_PARTS``) of checkpoint `seq` of a job.
+
+    Raises:
+        ValueError: an unknown part or a `seq` < 1.
+    """
+    if part not in CHECKPOINT_PARTS or seq < 1:
+        raise ValueError(f"no checkpoint part {part!r} of seq {seq}")
+    return CHECKPOINT.format(job_id=job_id, seq=seq, part=part)
+
+
+def parse_checkpoint(key: str) -> tuple[str, int, str]:
+    """``(job_id, seq, part)`` of a `checkpoint` key.
+
+    Raises:
+        ValueError: `key` is not a checkpoint key.
+    """
+    head, sep, rest = key.partition(":{")
+    job_id, sep2, tail = rest.partition("}:ckpt:")
+    seq, _, part = tail.partition(":")
+    if head != PREFIX or not (sep and sep2 and seq.isdigit()) or part not in CHECKPOINT_PARTS:
+        raise ValueError(f"{key!r} is not a checkpoint key")
+    if checkpoint(job_id, int(seq), part) != key:
+        raise ValueError(f"{key!r} is not a checkpoint key")
+    return job_id, int(seq), part
 
 
 def idempotency(key: str) -> str:

@@ -28,7 +28,9 @@ class JobRecord:
     template, ending with the assistant's opening when `add_generation_prompt`). Fields from
     `state` on are written by the worker and the scripts; `chunk_plan` is the chunk
     boundaries (end positions) decided once when a worker first plans the job, so every
-    worker continues it at the same boundaries.
+    worker continues it at the same boundaries. `checkpoint` is the record key of the job's
+    latest complete KV checkpoint (switched by ``CHECKPOINT_SWITCH``) at `checkpoint_cursor`
+    tokens; `resumed_from` is the cursor the current attempt restored from one (None: cold).
     """
 
     job_id: str
@@ -57,6 +59,9 @@ class JobRecord:
     n_tokens: int | None = None
     recovery_position: int | None = None
     chunk_plan: list[int] | None = None
+    checkpoint: str | None = None
+    checkpoint_cursor: int | None = None
+    resumed_from: int | None = None
     cancel_requested: bool = False
     worker: str | None = None
     start_token: str | None = None
@@ -112,6 +117,7 @@ class JobRecord:
             chunks_done=self.chunks_done,
             cached_tokens=self.cached_tokens,
             reuse=self.reuse,
+            resumed_from=self.resumed_from,
             attempts=self.attempts,
             cancel_requested=self.cancel_requested,
             worker=self.worker or None,

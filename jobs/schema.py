@@ -53,6 +53,8 @@ class JobStatus:
     ``reset`` (neither; the slot starts over), ``exact`` (the prompt equals the committed
     tokens: no forward pass), or ``grow-live``, ``grow-recovery-anchor``, ``grow-reset`` when
     the slot's cache grew first. DESIGN.md §7 and `model.session` have the rules.
+    ``resumed_from`` is the cursor this attempt restored from a KV checkpoint (None: it
+    started without one); the cursor never goes back past it (DESIGN.md §9).
     """
 
     job_id: str
@@ -65,6 +67,7 @@ class JobStatus:
     chunks_done: int
     cached_tokens: int
     reuse: str
+    resumed_from: int | None
     attempts: int
     cancel_requested: bool
     worker: str | None

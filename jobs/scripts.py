@@ -150,6 +150,17 @@ if state ~= 'prefilling' or worker ~= ARGV[1] then return 'fenced' end
     + _REQUEUE_BODY
 )
 
+# A checkpoint's blobs and record are all in the store: point the job at it, unless this
+# worker's attempt lost the job (a fenced writer must not overwrite the new holder's pointer).
+# KEYS[1] job; ARGV[1] worker, ARGV[2] attempt, ARGV[3] record key, ARGV[4] its cursor.
+CHECKPOINT_SWITCH = (
+    _FENCE
+    + """
+redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3], 'checkpoint_cursor', ARGV[4])
+return 'switched'
+"""
+)
+
 # Client cancel. KEYS[1] job, KEYS[2] cancel flag, KEYS[3] events; ARGV[1] now, ARGV[2] TTL.
 # queued -> canceled at once; prefilling -> flag for the worker; terminal -> unchanged.
 CANCEL = """
@@ -190,4 +201,5 @@ class Scripts:
         self.requeue: Script = redis.register_script(REQUEUE)
         self.reap: Script = redis.register_script(REAP)
         self.cancel: Script = redis.register_script(CANCEL)
+        self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
         self.release_session: Script = redis.register_script(RELEASE_SESSION)

@@ -15,6 +15,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from .cache_state import CacheState, dtype_name
 from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
 
@@ -35,6 +36,8 @@ class PrefillModel(Protocol):
         context_length: int = ...,
         capacity_step: int | None = ...,
     ) -> ModelCache: ...
+
+    def cache_from_state(self, state: CacheState) -> ModelCache: ...
 
 
 def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
@@ -114,8 +117,9 @@ def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
 class Prefill:
     """A prefill in progress: token ids, chunk plan and the job's KV cache.
 
-    The cursor is ``cache.position`` (one source of truth). Create with `start_prefill` (cold)
-    or `model.session.session_prefill` (from a session's retained cache).
+    The cursor is ``cache.position`` (one source of truth). Create with `start_prefill` (cold),
+    `resume_prefill` (from a checkpoint) or `model.session.session_prefill` (from a session's
+    retained cache).
 
     Attributes:
         cached_tokens: tokens the cache held when this prefill started (reused, not run).
@@ -271,4 +275,42 @@ def start_prefill(
         raise ValueError(f"a plan for {plan.n_tokens} tokens from {plan.start} does not fit a "
                          f"cold prefill of {len(ids)} tokens")
     cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
+    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)
+
+
+def resume_prefill(
+    model: PrefillModel,
+    token_ids: Sequence[int],
+    plan: ChunkPlan,
+    state: CacheState,
+    *,
+    vocab_size: int,
+    context_length: int,
+    kv_dtype: mx.Dtype = mx.float32,
+) -> Prefill:
+    """A prefill of `token_ids` on `plan` whose cache is restored from a complete `state`
+    (a checkpoint at position p): the cursor is p and ``chunks_done`` counts from 0.
+
+    Args:
+        plan: the job's chunk plan from 0; p must be one of its chunk ends before the last
+            (a state at the prompt's end has no hidden state to give logits from).
+        state: ``cache.state()`` of a cache of this model at p (``since`` 0).
+        kv_dtype: the dtype this model's caches use; the state must have it.
+    Raises:
+        ValueError: bad ids (`check_prompt`), a plan for another prompt, p not a chunk end
+            of `plan` before the last, or a state of another dtype.
+        CacheStateError (a ValueError): the state does not fit this model's cache.
+    """
+    ids = check_prompt(token_ids, vocab_size, context_length)
+    if plan.n_tokens != len(ids) or plan.start != 0 or plan.boundaries[-1] != len(ids):
+        raise ValueError(f"a plan for {plan.n_tokens} tokens from {plan.start} does not fit a "
+                         f"prefill of {len(ids)} tokens")
+    position = state.meta.get("position")
+    if position not in plan.boundaries[:-1]:
+        raise ValueError(f"state at position {position!r} is not a chunk end of "
+                         f"{plan.boundaries[:-1]} before the prompt's end")
+    if state.meta.get("kv_dtype") != dtype_name(kv_dtype):
+        raise ValueError(f"state kv_dtype {state.meta.get('kv_dtype')!r} is not this model's "
+                         f"{dtype_name(kv_dtype)}")
+    cache = model.cache_from_state(state)
     return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)

@@ -18,11 +18,12 @@ import mlx.core as mx
 
 from .archs import get_arch
 from .archs.deepseek4 import flash_args
+from .cache_state import CacheState
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .gguf.store import build_once
 from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .planner import ChunkPlan
-from .prefill import Prefill, PrefillModel, start_prefill
+from .prefill import Prefill, PrefillModel, resume_prefill, start_prefill
 from .runtime.streams import cpu_streams
 from .session import SessionSlot, session_prefill
 from .tokenizer import Tokenizer
@@ -138,6 +139,13 @@ class LoadedModel:
             kv_dtype=self.dtype,
             plan=plan,
         )
+
+    def resume_prefill(self, token_ids: Sequence[int], plan: ChunkPlan,
+                       state: CacheState) -> Prefill:
+        """A prefill of `token_ids` on `plan` continuing from a complete checkpointed `state`
+        at one of the plan's chunk ends (see `model.prefill.resume_prefill`; ValueError)."""
+        return resume_prefill(self.model, token_ids, plan, state, vocab_size=self.vocab_size,
+                              context_length=self.context_length, kv_dtype=self.dtype)
 
     def session_prefill(
         self,
