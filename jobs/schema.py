@@ -99,7 +99,8 @@ class PrefillResult:
         top_k: highest logits first; ``logprob`` is log-softmax over the whole vocabulary.
         logits: float32 ``[vocab]`` (``array('f')``) when submitted with ``logits="full"``.
         timings: ``queue_wait_s``, ``prefill_s`` (first start to finish), ``compute_s``
-            (forward passes only), ``tokens_per_s`` (n_tokens / prefill_s).
+            (forward passes only), ``tokens_per_s`` ((n_tokens - cached_tokens) / prefill_s:
+            tokens prefilled, not reused from a session's slot).
     """
 
     job_id: str

@@ -47,8 +47,10 @@ _CANCEL_IF_REQUESTED = "if requested == '1' then" + _CANCELED + "end\n"
 # KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
 # start, so a start retried after a lost reply finds its own start instead of a stranger's;
 # ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only;
-# ARGV[5] to ARGV[8] its n_tokens, recovery_position, cached_tokens (where its cursor starts)
-# and reuse (`cold` or how a session's slot was reused); absent when its input failed.
+# ARGV[5] to ARGV[10] its n_tokens, recovery_position, cursor (where this attempt starts),
+# cached_tokens (reused from a session's slot), reuse (`cold` or how the slot was reused)
+# and resumed_from (the cursor a KV checkpoint restored, or ''); absent when its input
+# failed.
 START = """
 local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
                                                  'attempts'))
@@ -62,7 +64,8 @@ redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
 if ARGV[4] and ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'chunk_plan', ARGV[4]) end
 if ARGV[5] and ARGV[5] ~= '' then
   redis.call('HSET', KEYS[1], 'n_tokens', ARGV[5], 'recovery_position', ARGV[6],
-             'cursor', ARGV[7], 'cached_tokens', ARGV[7], 'reuse', ARGV[8])
+             'cursor', ARGV[7], 'cached_tokens', ARGV[8], 'reuse', ARGV[9],
+             'resumed_from', ARGV[10])
 end
 redis.call('PUBLISH', KEYS[2], 'prefilling')
 return {'started', attempts}

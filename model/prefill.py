@@ -134,6 +134,7 @@ class Prefill:
     compute_seconds: float = 0.0
     cached_tokens: int = 0  # tokens a session's slot supplied: the cursor started here
     reuse: str = "cold"  # how they were reused (`model.session`)
+    resumed_from: int | None = None  # the cursor a KV checkpoint restored (a restart)
     _hidden: mx.array | None = field(default=None, repr=False)
     _launched: tuple | Exception | None = field(default=None, repr=False)
 
@@ -289,7 +290,8 @@ def resume_prefill(
     kv_dtype: mx.Dtype = mx.float32,
 ) -> Prefill:
     """A prefill of `token_ids` on `plan` whose cache is restored from a complete `state`
-    (a checkpoint at position p): the cursor is p and ``chunks_done`` counts from 0.
+    (a checkpoint at position p): the cursor and ``resumed_from`` are p and ``chunks_done``
+    counts from 0.
 
     Args:
         plan: the job's chunk plan from 0; p must be one of its chunk ends before the last
@@ -313,4 +315,4 @@ def resume_prefill(
         raise ValueError(f"state kv_dtype {state.meta.get('kv_dtype')!r} is not this model's "
                          f"{dtype_name(kv_dtype)}")
     cache = model.cache_from_state(state)
-    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)
+    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache, resumed_from=position)

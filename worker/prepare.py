@@ -4,8 +4,9 @@ A job's input becomes token ids once, here: given ids as they are, text through 
 tokenizer. A job of a session starts from the session's slot when this worker keeps it
 (`worker.sessions.SessionSlots`): `model.session.session_prefill` decides how much of the
 slot's cache the prompt reuses and plans the rest with a chunk ending at the recovery
-position, where the slot's turn anchor is snapshotted. Every other job is a cold prefill on
-its recorded chunk plan, or on this worker's plan at its first start.
+position, where the slot's turn anchor is snapshotted. Every other job runs on its recorded
+chunk plan (or this worker's plan at its first start): from its latest usable KV checkpoint
+when it has one (`worker.checkpointing`), else cold.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from model.prefill import Prefill
 from model.registry import LoadedModel
 from model.tokenizer import TokenizerError
 
+from .checkpointing import Checkpointing, JobCheckpoints
 from .sessions import SessionSlots
 
 log = logging.getLogger("prefillq.worker")
@@ -42,21 +44,26 @@ class Prepared:
         slot: the session's slot, checked out of `SessionSlots` for the job (None for a job
             without a session, or when this worker keeps no sessions); it goes back with
             `SessionSlots.keep` however the job leaves.
+        checkpoints: set when the prefill was restored from a KV checkpoint.
     """
 
     prefill: Prefill | None
     error: tuple[str, str] | None = None
     slot: Any = None
+    checkpoints: JobCheckpoints | None = None  # a resumed job's checkpoint state
 
 
 def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
-            sessions: SessionSlots | None) -> Prepared:
-    """Tokenize, check and plan `record`'s job and allocate (or reuse) its cache.
+            sessions: SessionSlots | None,
+            checkpointing: Checkpointing | None = None) -> Prepared:
+    """Tokenize, check and plan `record`'s job and allocate its cache, reuse its session's
+    slot, or restore it from the job's latest usable KV checkpoint.
 
     Args:
         chunk_tokens: this worker's cap on chunk size (the smaller of it and the job's own
             applies).
         sessions: this worker's session slots, or None.
+        checkpointing: this worker's checkpoints, or None (a restarted job starts at 0).
     """
     try:
         ids = token_ids(loaded, record)
@@ -72,6 +79,10 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             len(ids), loaded.sliding_window, chunk_tokens=cap)
     except ValueError as e:
         return Prepared(None, (INVALID_CHUNK_PLAN, str(e)))
+    if checkpointing is not None:
+        resumed = checkpointing.resume(loaded, record, ids, plan)
+        if resumed is not None:
+            return Prepared(resumed[0], checkpoints=resumed[1])
     try:
         return Prepared(loaded.start_prefill(ids, plan=plan))
     except Exception as e:

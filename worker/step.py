@@ -24,8 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -36,10 +34,11 @@ from jobs.record import JobRecord, encode_field
 from jobs.schema import LogitsMode, now
 from jobs.scripts import Scripts
 from jobs.serializer import packb
-from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
 
+from .active import ActiveJob, result_of
 from .admission import Admission
+from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
@@ -50,30 +49,6 @@ log = logging.getLogger("prefillq.worker")
 
 # error.type of a job whose transition Redis refused to write (maxmemory, value too large)
 REDIS_OOM = "RedisOutOfMemory"
-
-
-@dataclass
-class ActiveJob:
-    """A job whose KV cache this worker holds."""
-
-    job_id: str
-    attempt: int
-    max_attempts: int
-    model: LoadedModel
-    prefill: Prefill
-    top_k: int
-    logits_mode: LogitsMode
-    enqueued_at: float
-    first_started_at: float
-    started_at: float
-    session: str | None = None  # the session whose slot `slot` is (checked out for the job)
-    slot: Any = None
-
-    @property
-    def keys(self) -> list[str]:
-        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits."""
-        j = self.job_id
-        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j)]
 
 
 class Stepper:
@@ -89,14 +64,16 @@ class Stepper:
         chunk_tokens: cap on chunk size when this worker plans a job.
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
         sessions: the session slots this worker keeps (None: session jobs run cold).
+        checkpointing: this worker's KV checkpoints (None: none are written or resumed).
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  admission: Admission, admit_from: Callable[[], list[str]], *,
                  chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
-                 sessions: SessionSlots | None = None):
+                 sessions: SessionSlots | None = None,
+                 checkpointing: Checkpointing | None = None):
         self.connection, self.name, self.models = connection, name, models
-        self.sessions = sessions
+        self.sessions, self.checkpointing = sessions, checkpointing
         self.admission, self.admit_from = admission, admit_from
         self.chunk_tokens = chunk_tokens
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
@@ -168,6 +145,8 @@ class Stepper:
                       queue_keys=self.admit_from())
         reply = self.publish(active, probe) if p.done else self.checkpoint(active, probe)
         self.intake_waiting = reply.intake_waiting
+        if job_id in self.active and active.checkpoints is not None:
+            self.checkpointing.after_chunk(active)
         for other in reply.canceled:  # released within one chunk time of the cancel
             if other in self.active:
                 self.advance_cancel(self.active[other])
@@ -193,7 +172,7 @@ class Stepper:
             log.error("job %s wants model %s, not served here", job_id, record.model)
             return None
         prepared = prepare(loaded, record, chunk_tokens=self.chunk_tokens,
-                           sessions=self.sessions)
+                           sessions=self.sessions, checkpointing=self.checkpointing)
         active = self._take(record, loaded, prepared)
         if active is None and prepared.slot is not None:
             self.sessions.keep(record.session, loaded.name, prepared.slot)
@@ -209,8 +188,9 @@ class Stepper:
         if prefill is not None:
             if prepared.slot is None:  # a session job plans afresh at every start
                 plan = encode_field("chunk_plan", list(prefill.plan.boundaries))
-            size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cached_tokens,
-                    prefill.reuse]
+            size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cursor,
+                    prefill.cached_tokens, prefill.reuse,
+                    "" if prefill.resumed_from is None else prefill.resumed_from]
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
             args=[self.name, now(), uuid.uuid4().hex, plan, *size],
@@ -239,12 +219,18 @@ class Stepper:
             started_at=started,
             session=record.session if prepared.slot is not None else None,
             slot=prepared.slot,
+            checkpoints=prepared.checkpoints or self._checkpoints_for(record, prepared),
         )
         self.active[record.job_id] = active
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
         if active.session is not None:  # before its publish: the next turn is routed here
             self.sessions.claim(active.session)
         return active
+
+    def _checkpoints_for(self, record: JobRecord, prepared: Prepared) -> JobCheckpoints | None:
+        if self.checkpointing is None or prepared.slot is not None:  # sessions: not yet
+            return None
+        return JobCheckpoints(key=record.checkpoint, since=time.monotonic())
 
     # -- transitions --------------------------------------------------------------------
 
@@ -261,7 +247,7 @@ class Stepper:
                            probe)
         if reply.outcome != "continue":
             log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)
-            self.drop(active)
+            self.drop(active, ended=reply.outcome == "canceled")
         return reply
 
     def publish(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
@@ -274,35 +260,13 @@ class Stepper:
         full = b""
         if active.logits_mode == LogitsMode.FULL:
             full = packb(np.asarray(logits, dtype="<f4").tobytes())
-        args = [*self._fence_args(active), packb(self._result(active, logits, prefill_s)),
+        args = [*self._fence_args(active), packb(result_of(active, logits, prefill_s)),
                 full, self.logits_ttl_s, p.cursor, p.chunks_done]
         reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
-        self.drop(active)
+        self.drop(active, ended=reply.outcome != "fenced")
         return reply
-
-    @staticmethod
-    def _result(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
-        p, loaded = active.prefill, active.model
-        return {
-            "n_tokens": p.n_tokens,
-            "cached_tokens": p.cached_tokens,
-            "reuse": p.reuse,
-            "chunks_done": p.chunks_done,
-            "top_k": [
-                {"id": t.id, "logit": t.logit, "logprob": t.logprob,
-                 "piece": loaded.tokenizer.piece(t.id)}
-                for t in top_k(logits, active.top_k)
-            ],
-            "timings": {
-                "queue_wait_s": active.first_started_at - active.enqueued_at,
-                "prefill_s": prefill_s,
-                "compute_s": p.compute_seconds,
-                "tokens_per_s": p.n_tokens / prefill_s,
-            },
-            "model_sha256": loaded.sha256,
-        }
 
     def fail(self, job_id: str, fence: tuple[str, int], error_type: str, message: str) -> None:
         """Record ``failed`` with ``error.type`` `error_type` (fenced) and forget the job."""
@@ -312,7 +276,9 @@ class Stepper:
             args=[worker, attempt, now(), self.result_ttl_s, error_type,
                   message[:MAX_ERROR_CHARS]],
         )
-        self.active.pop(job_id, None)
+        active = self.active.pop(job_id, None)
+        if active is not None and active.checkpoints is not None:
+            self.checkpointing.ended(job_id, active.checkpoints)
         self.connection.srem(keys.worker_jobs(self.name), job_id)
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
@@ -335,12 +301,14 @@ class Stepper:
             requeue_to_intake(self.connection, active.job_id, pipe)
             outcome = pipe.execute()[0].decode()
         log.info("job %s handed back: %s", active.job_id, outcome)
-        self.drop(active)
+        self.drop(active, ended=outcome in ("failed", "canceled"))
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown). A hand-back Redis refuses
         is parked (`parked`); one that fails otherwise leaves the job in `active`."""
         for active in list(self.active.values()):
+            if active.checkpoints is not None:  # another worker continues from here
+                self.checkpointing.last(active)
             try:
                 self.requeue(active)
             except Exception as error:
@@ -352,11 +320,14 @@ class Stepper:
                 self.parked.park(active.job_id, "hand-back", lambda a=active: self.requeue(a),
                            error)
 
-    def drop(self, active: ActiveJob, *, deregister: bool = True) -> None:
+    def drop(self, active: ActiveJob, *, deregister: bool = True, ended: bool = False) -> None:
         """Forget `active` here (its cache is released, or kept as its session's slot,
-        consistent at its last committed chunk); room for the next job."""
+        consistent at its last committed chunk); room for the next job. A job that `ended`
+        (finished, failed, canceled) has its checkpoints deleted."""
         self.active.pop(active.job_id, None)
         self.admission.room_freed()
+        if ended and active.checkpoints is not None:
+            self.checkpointing.ended(active.job_id, active.checkpoints)
         if active.slot is not None:
             self.sessions.keep(active.session, active.model.name, active.slot)
         if deregister:

@@ -41,11 +41,15 @@ from jobs.queues import CHUNK_FUNCTION, intake_queue, move_to_intake, sticky_que
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
+from .active import ActiveJob
 from .admission import Admission
+from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
+from .checkpointing import Checkpointing
+from .checkpoints import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
 from .heartbeat import Heartbeat
 from .sessions import SessionSlots
-from .step import ActiveJob, Stepper
+from .step import Stepper
 
 log = logging.getLogger("prefillq.worker")
 
@@ -106,6 +110,12 @@ class PrefillWorker(SimpleWorker):
         heartbeat_ttl_s: the worker counts as dead this long after its last heartbeat.
         session_slots, session_bytes: bounds on the session slots kept between a session's
             jobs (`worker.sessions.SessionSlots`; least recently used evicted first).
+        checkpoint_store: where KV checkpoints go (`worker.checkpoints.open_store`: None for
+            this queue's Redis, ``redis://...``, ``file:///dir``).
+        checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
+        checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
+    Raises:
+        ValueError: a bad `checkpoint_store` or `checkpoint_every`.
     """
 
     death_penalty_class = NoDeathPenalty
@@ -124,6 +134,9 @@ class PrefillWorker(SimpleWorker):
         heartbeat_ttl_s: int = DEFAULT_HEARTBEAT_TTL_S,
         session_slots: int = DEFAULT_SESSION_SLOTS,
         session_bytes: int | None = None,
+        checkpoint_store: str | None = None,
+        checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY,
+        checkpoint_max_bytes: int | None = None,
     ):
         if not models:
             raise ValueError("a worker needs at least one model")
@@ -140,13 +153,26 @@ class PrefillWorker(SimpleWorker):
                                    refresh_s=self.heartbeat_ttl_s / 6)
         self.sessions = SessionSlots(connection, name, max_slots=session_slots,
                                      max_bytes=session_bytes)
+        policy = CheckpointPolicy.parse(checkpoint_every or "none")
+        self.checkpointing = None if policy is None else Checkpointing(
+            connection, name, open_store(checkpoint_store, connection), policy,
+            ttl_s=result_ttl_s, max_bytes=checkpoint_max_bytes)
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
-                               logits_ttl_s=logits_ttl_s, sessions=self.sessions)
+                               logits_ttl_s=logits_ttl_s, sessions=self.sessions,
+                               checkpointing=self.checkpointing)
         self._rq_beat_at = 0.0
+        self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
-                                  result_ttl_s=result_ttl_s, on_beat=self.stepper.settle)
+                                  result_ttl_s=result_ttl_s, on_beat=self._on_beat)
         self._stop_signal = "SIGTERM"
+
+    def _on_beat(self) -> None:
+        # on the heartbeat thread: parked writes, and expired checkpoint files once a minute
+        self.stepper.settle()
+        if self.checkpointing is not None and time.monotonic() >= self._swept_at + 60:
+            self._swept_at = time.monotonic()
+            self.checkpointing.store.sweep()
 
     @property
     def active(self) -> dict[str, ActiveJob]:
@@ -284,6 +310,8 @@ class PrefillWorker(SimpleWorker):
     def teardown(self) -> None:
         self.hand_back_active()
         self.stepper.settle()
+        if self.checkpointing is not None:  # a hand-back's last checkpoint has landed
+            self.checkpointing.flush(timeout=30)
         try:  # jobs routed here go to intake (routing to this worker ends with its heartbeat)
             move_to_intake(self.connection, self.name)
         except Exception:

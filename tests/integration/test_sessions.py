@@ -14,8 +14,8 @@ from jobs import JobState, PrefillClient, keys
 from tests.model.test_gemma3 import CHUNKED_MAX_DIFF
 from worker.worker import PrefillWorker
 
-from .test_workers import MODEL as TINY
-from .test_workers import expected_top, ids, server, wait_for, workers  # noqa: F401
+from .processes import MODEL as TINY
+from .processes import expected_top, ids, wait_for
 
 MODEL = "gemma3-270m"
 SYSTEM = ("You are a patient geography tutor. Answer every question with the city's name "
@@ -76,8 +76,7 @@ def test_a_three_turn_chat_reuses_more_every_turn_and_equals_cold(connect, gemma
     assert 0 < c2 < c3
 
 
-def test_a_session_whose_holder_is_killed_runs_cold_on_another_worker(server, workers,  # noqa: F811
-                                                                      tiny):
+def test_a_session_whose_holder_is_killed_runs_cold_on_another_worker(server, workers, tiny):
     client = PrefillClient.from_url(server.url)
     w1 = workers("w1")
     history = ids(200, 21)

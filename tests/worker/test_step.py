@@ -58,12 +58,14 @@ def test_the_first_start_records_the_chunk_plan(setup):
     assert record.chunk_plan == [16, 32, 40]
 
 
+@pytest.mark.parametrize("checkpoint_every, resumed_from", [("none", None), ("10s", 32)])
 def test_a_handed_back_job_keeps_its_chunk_boundaries_on_another_worker(
-    setup, on_chunk, tiny
+    setup, on_chunk, tiny, checkpoint_every, resumed_from
 ):
     """Worker A (16-token chunks) is stopped as by SIGTERM after two chunks; worker B
-    (5-token chunks) continues the job at the recorded 16-token boundaries."""
-    a, client = setup(name="wa", chunk_tokens=16)
+    (5-token chunks) continues the job at the recorded 16-token boundaries: from 0 without
+    checkpoints, else from the last checkpoint A wrote as it handed the job back."""
+    a, client = setup(name="wa", chunk_tokens=16, checkpoint_every=checkpoint_every)
     token_ids = ids(100, 4)
     job = client.submit(tokens=token_ids, model=MODEL, logits="full", top_k=5)
 
@@ -82,12 +84,14 @@ def test_a_handed_back_job_keeps_its_chunk_boundaries_on_another_worker(
     status = client.status(job)
     assert (status.state, status.cursor, status.attempts) == (JobState.QUEUED, 0, 1)
 
-    b, _ = setup(name="wb", chunk_tokens=5)
+    b, _ = setup(name="wb", chunk_tokens=5, checkpoint_every=checkpoint_every)
     first = len(log.cursors)
     b.work(burst=True)
-    assert log.cursors[first:] == [(job, c) for c in (16, 32, 48, 64, 80, 96, 100)]
+    start = resumed_from or 0
+    assert log.cursors[first:] == [(job, c) for c in (16, 32, 48, 64, 80, 96, 100) if c > start]
     status = client.status(job)
     assert (status.state, status.worker, status.attempts) == (JobState.FINISHED, "wb", 2)
+    assert status.resumed_from == resumed_from
     result = client.result(job, timeout=0)
     assert_logits_match(result, tiny, token_ids)
     expected = tiny.start_prefill(token_ids).run()  # one pass

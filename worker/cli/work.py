@@ -15,6 +15,7 @@ from jobs.defaults import (
     DEFAULT_SESSION_SLOTS,
 )
 
+from ..checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from .loading import load_models
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -38,9 +39,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
         heartbeat_ttl_s=args.heartbeat_ttl,
         session_slots=args.session_slots,
         session_bytes=args.session_bytes,
+        checkpoint_store=args.checkpoint_store,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_max_bytes=args.checkpoint_max_bytes,
     )
     worker.work(burst=args.burst, logging_level="INFO")
     return 0
+
+
+def checkpoint_every(text: str) -> str:
+    """argparse type for ``--checkpoint-every`` (checked before any model loads).
+
+    Raises:
+        argparse.ArgumentTypeError: not ``N``, ``Ns`` or ``none``.
+    """
+    try:
+        CheckpointPolicy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_worker(sub) -> None:
@@ -62,6 +79,15 @@ def add_worker(sub) -> None:
                              "used evicted first; 0 keeps none (default: %(default)s)")
     worker.add_argument("--session-bytes", type=non_negative_int,
                         help="bound on the kept sessions' bytes (KV rows and turn anchors)")
+    worker.add_argument("--checkpoint-store", metavar="URL",
+                        help="where KV checkpoints go: redis://... or file:///shared/dir "
+                             "(default: this queue's Redis)")
+    worker.add_argument("--checkpoint-every", type=checkpoint_every,
+                        default=DEFAULT_CHECKPOINT_EVERY, metavar="N|Ns|none",
+                        help="checkpoint a resident job every N chunks or N seconds, or never "
+                             "(default: %(default)s)")
+    worker.add_argument("--checkpoint-max-bytes", type=positive_int, metavar="B",
+                        help="do not checkpoint jobs whose KV cache is larger")
     worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,

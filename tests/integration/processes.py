@@ -1,0 +1,84 @@
+"""Worker processes for the integration tests: ``prefillq worker`` as a child process on
+the tiny Gemma 3 (`gemma3-tiny`) with 4-token chunks, so a prefill lasts long enough to be
+interrupted, and a 2 s heartbeat TTL, so dead workers are found quickly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from jobs import PrefillClient, keys
+
+MODEL = "gemma3-tiny"
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [2, *rng.integers(260, 365, size=n - 1).tolist()]
+
+
+MODULE_MAIN = [sys.executable, "-m", "worker"]
+
+
+class WorkerProcess:
+    """``prefillq worker`` as a child process; its log goes to a file."""
+
+    def __init__(self, url: str, name: str, tmp_path, *extra: str):
+        self.name, self.url = name, url
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [*MODULE_MAIN, "worker", "--redis", url, "--name", name,
+             "--model", MODEL, "--chunk-tokens", "4", "--heartbeat-ttl", "2", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: redis.Redis.from_url(url).exists(keys.worker_heartbeat(name)),
+                 60, f"worker {name} did not register", self)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.log.close()
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def wait_for(predicate, timeout: float, message: str, worker: WorkerProcess | None = None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if worker is not None and worker.proc.poll() is not None:
+            pytest.fail(f"{message}: worker exited\n{worker.log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(message)
+        time.sleep(0.05)
+
+
+def long_job_in_flight(client: PrefillClient, worker: WorkerProcess, seed: int,
+                       **submit) -> tuple[str, list[int]]:
+    """Submit a 2,000-token job (500 chunks of 4) and wait until `worker` is 10 chunks in."""
+    token_ids = ids(2000, seed)
+    job = client.submit(tokens=token_ids, model=MODEL, **submit)
+    wait_for(lambda: client.status(job).cursor >= 40, 60,
+             f"{worker.name} never advanced the job", worker)
+    return job, token_ids
+
+
+def expected_top(tiny, token_ids, k):
+    logits = tiny.start_prefill(token_ids).run()
+    return np.argsort(-logits)[:k].tolist(), logits

@@ -1,0 +1,69 @@
+"""A job resident on this worker (`ActiveJob`) and the result it publishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jobs import keys
+from jobs.schema import LogitsMode
+from model.prefill import Prefill, top_k
+from model.registry import LoadedModel
+
+from .checkpointing import JobCheckpoints
+
+
+@dataclass
+class ActiveJob:
+    """A job whose KV cache this worker holds."""
+
+    job_id: str
+    attempt: int
+    max_attempts: int
+    model: LoadedModel
+    prefill: Prefill
+    top_k: int
+    logits_mode: LogitsMode
+    enqueued_at: float
+    first_started_at: float
+    started_at: float
+    session: str | None = None  # the session whose slot `slot` is (checked out for the job)
+    slot: Any = None
+    checkpoints: JobCheckpoints | None = None  # None: this job is not checkpointed
+
+    @property
+    def keys(self) -> list[str]:
+        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits."""
+        j = self.job_id
+        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j)]
+
+
+def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
+    """The msgpack-able result of a finished job (`jobs.schema.PrefillResult`'s fields).
+
+    Args:
+        logits: float32 ``(vocab,)`` after the last position.
+        prefill_s: seconds from the job's first start to its finish; ``tokens_per_s`` counts
+            the tokens this job prefilled (not those reused from a session's slot).
+    """
+    p, loaded = active.prefill, active.model
+    return {
+        "n_tokens": p.n_tokens,
+        "cached_tokens": p.cached_tokens,
+        "reuse": p.reuse,
+        "chunks_done": p.chunks_done,
+        "top_k": [
+            {"id": t.id, "logit": t.logit, "logprob": t.logprob,
+             "piece": loaded.tokenizer.piece(t.id)}
+            for t in top_k(logits, active.top_k)
+        ],
+        "timings": {
+            "queue_wait_s": active.first_started_at - active.enqueued_at,
+            "prefill_s": prefill_s,
+            "compute_s": p.compute_seconds,
+            "tokens_per_s": (p.n_tokens - p.cached_tokens) / prefill_s,
+        },
+        "model_sha256": loaded.sha256,
+    }

@@ -1,0 +1,46 @@
+"""When a worker checkpoints a resident job (``--checkpoint-every``); no MLX here, so the
+CLI can check the option before any model loads."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Every 10 s: a CPU chunk of 2,048 tokens takes ~10 s, so that is about every chunk there,
+# and on a GPU (~13 ms chunks) one checkpoint per ~770 chunks; a killed job loses at most
+# ~10 s and a chunk. (README, "KV checkpoints", has the measured overhead.)
+DEFAULT_CHECKPOINT_EVERY = "10s"
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """How often a resident job is checkpointed: every `chunks` chunks, or once `seconds`
+    have passed since its last checkpoint (checked after each chunk)."""
+
+    chunks: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointPolicy | None:
+        """``"4"`` (chunks), ``"30s"`` (seconds), or ``"none"`` (None: no checkpoints).
+
+        Raises:
+            ValueError: anything else, or a count or duration that is not positive.
+        """
+        text = text.strip().lower()
+        if text == "none":
+            return None
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*s", text)
+        if match:
+            seconds = float(match.group(1))
+            if seconds <= 0:
+                raise ValueError(f"--checkpoint-every {text!r}: want a positive duration")
+            return cls(seconds=seconds)
+        if text.isdigit() and int(text) > 0:
+            return cls(chunks=int(text))
+        raise ValueError(f"--checkpoint-every {text!r}: want N (chunks), Ns (seconds) or none")
+
+    def due(self, chunks_since: int, seconds_since: float) -> bool:
+        if self.chunks is not None:
+            return chunks_since >= self.chunks
+        return seconds_since >= (self.seconds or 0.0)

@@ -1,0 +1,162 @@
+"""A worker's KV checkpoints: when to write them, the job-hash switch, resume and clean-up.
+
+Between chunks, a resident job whose last checkpoint is at least ``--checkpoint-every``
+old (in chunks or seconds) gets a new one: `CheckpointWriter` copies the rows since the last
+one out on the chunk loop's thread and writes them on its own, with at most one checkpoint in
+flight, so the next chunk computes meanwhile. Once every blob is in the store the job hash
+points at the new record (`jobs.scripts.CHECKPOINT_SWITCH`, under the job's fence). A job
+that restarts (lost worker, SIGTERM hand-back, failed chunk) resumes on any worker from its
+latest usable checkpoint (`worker.checkpoints.latest_usable`: a corrupt, expired or
+mismatched one falls back one checkpoint, else to cursor 0), on the same chunk boundaries.
+A job that ends (finished, failed, canceled) has its blobs deleted.
+
+A writer that was fenced (its worker declared dead while it still ran) can overwrite blobs
+of the same checkpoint number that the job's new holder writes; the record's checksums then
+fail to match and the restore falls back, so a race costs recomputation, never exactness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from redis import Redis
+
+from jobs import keys
+from jobs.record import JobRecord
+from jobs.scripts import Scripts
+from model.planner import ChunkPlan
+from model.prefill import Prefill
+from model.registry import LoadedModel
+
+from .checkpoint_policy import CheckpointPolicy
+from .checkpoints import (
+    CheckpointRecord,
+    CheckpointStore,
+    CheckpointWriter,
+    delete_all,
+    latest_usable,
+)
+
+log = logging.getLogger("prefillq.worker")
+
+@dataclass
+class JobCheckpoints:
+    """One resident job's checkpoint state on this worker."""
+
+    latest: CheckpointRecord | None = None  # in force (restored, or written by this attempt)
+    key: str | None = None  # the job hash's record key (may predate `latest` being read)
+    chunks_since: int = 0
+    since: float = 0.0  # monotonic time of the last checkpoint (or of the start)
+
+    @property
+    def next_seq(self) -> int:
+        if self.latest is not None:
+            return self.latest.seq + 1
+        return keys.parse_checkpoint(self.key)[1] + 1 if self.key else 1
+
+
+class Checkpointing:
+    """A worker's checkpoints of its resident jobs.
+
+    Args:
+        connection: the queue's Redis (the job hash's switch).
+        worker: this worker's name (the fence).
+        store: where blobs go (`worker.checkpoints.open_store`).
+        policy: when to write.
+        ttl_s: how long a job's blobs live after its latest checkpoint.
+        max_bytes: jobs whose cache is larger are not checkpointed (one log line each).
+    """
+
+    def __init__(self, connection: Redis, worker: str, store: CheckpointStore,
+                 policy: CheckpointPolicy, *, ttl_s: int, max_bytes: int | None = None):
+        self.connection, self.worker, self.store, self.policy = connection, worker, store, policy
+        self.writer = CheckpointWriter(store, ttl_s=ttl_s, max_bytes=max_bytes)
+        self.scripts = Scripts(connection)
+
+    # -- resume ------------------------------------------------------------------------
+
+    def resume(self, loaded: LoadedModel, record: JobRecord, token_ids: list[int],
+               plan: ChunkPlan) -> tuple[Prefill, JobCheckpoints] | None:
+        """The job's prefill restored from its latest usable checkpoint (``resumed_from``
+        its cursor), or None (start at 0). Never raises for a bad checkpoint: it is
+        logged and skipped."""
+        if record.checkpoint is None:
+            return None
+        found = latest_usable(self.store, record.checkpoint, loaded, token_ids, plan)
+        if found is None:
+            log.warning("job %s: no usable checkpoint; starting at 0", record.job_id)
+            return None
+        ckpt, state = found
+        try:
+            prefill = loaded.resume_prefill(token_ids, plan, state)
+        except ValueError as e:
+            log.warning("job %s: checkpoint %s refused (%s); starting at 0", record.job_id,
+                        ckpt.seq, e)
+            return None
+        log.info("job %s resumes from checkpoint %d at %d/%d", record.job_id, ckpt.seq,
+                 ckpt.cursor, len(token_ids))
+        return prefill, JobCheckpoints(latest=ckpt, key=record.checkpoint,
+                                       since=time.monotonic())
+
+    # -- write -------------------------------------------------------------------------
+
+    def after_chunk(self, active) -> bool:
+        """After a chunk of the resident job `active` (a `worker.step.ActiveJob`): start its
+        checkpoint if one is due and the writer is free. Returns whether one started."""
+        state = active.checkpoints
+        state.chunks_since += 1
+        if not self.policy.due(state.chunks_since, time.monotonic() - state.since):
+            return False
+        return self._submit(active)
+
+    def last(self, active) -> None:
+        """Checkpoint `active` now and wait for it (a hand-back: another worker resumes
+        here). A write that fails leaves the previous checkpoint in force."""
+        self.flush()
+        if self._submit(active):
+            self.flush()
+
+    def _submit(self, active) -> bool:
+        state, p = active.checkpoints, active.prefill
+        if p.done or p.launched or p.cache.is_poisoned:
+            return False
+        job_id, attempt = active.job_id, active.attempt
+        started = self.writer.submit(
+            job_id, state.next_seq, p, active.model, state.latest,
+            on_written=lambda record: self._switch(job_id, attempt, state, record))
+        if started:
+            state.chunks_since, state.since = 0, time.monotonic()
+        return started
+
+    def _switch(self, job_id: str, attempt: int, state: JobCheckpoints,
+                record: CheckpointRecord) -> None:
+        # runs on the writer's thread once every blob is in the store
+        key = keys.checkpoint(job_id, record.seq, "record")
+        outcome = self.scripts.checkpoint_switch(
+            keys=[keys.job(job_id)], args=[self.worker, attempt, key, record.cursor])
+        if outcome == b"switched":
+            state.latest, state.key = record, key
+        else:
+            log.info("job %s: checkpoint %d at %d not switched (%s)", job_id, record.seq,
+                     record.cursor, outcome.decode())
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the checkpoint in flight (before a hand-back or a clean-up)."""
+        self.writer.wait(timeout)
+
+    # -- clean-up ----------------------------------------------------------------------
+
+    def ended(self, job_id: str, state: JobCheckpoints | None) -> None:
+        """The job finished, failed or was canceled: delete its checkpoint blobs."""
+        if state is None:
+            return
+        self.flush()
+        key = state.key if state.latest is None else keys.checkpoint(job_id, state.latest.seq,
+                                                                      "record")
+        if key is not None:
+            try:
+                delete_all(self.store, key)
+            except Exception:  # blobs expire anyway
+                log.warning("job %s: could not delete its checkpoints", job_id, exc_info=True)
