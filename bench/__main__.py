@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.runtime.blas import ensure_blas
 
     ensure_blas()
-    from . import llama_cpp, memory, prefill, queue, ratios, session
+    from . import checkpoint, llama_cpp, memory, prefill, queue, ratios, session
 
     t0 = time.perf_counter()
     loaded = load_or_exit(p, args.model)
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         queue.short_wait_over_chunk_time(rec, loaded, n // 2 if args.quick else n)
         memory.rss_growth_over_plan(rec, args.model, n if args.quick else 16_384)
         session.session_turn_over_cold(rec, loaded)
+        checkpoint.checkpoint_overhead(rec, loaded)
+        checkpoint.resume_saving(rec, args.model)
     if args.curves_only or not args.quick:
         lengths = [m for m in (1024, 2048, 4096, 8192, 16_384, 32_768) if m <= args.curve_max]
         prefill.curves(rec, loaded, lengths=lengths,

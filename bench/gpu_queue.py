@@ -9,12 +9,15 @@ checked and the cache planned (its buffers are allocated lazily, in the first ch
 process: `Prefill.run` (every chunk, the final logits). Queued: the job's ``prefill_s`` (its
 first start to ``finished``: the rest of its one RQ execution, a round trip per chunk, the
 final logits; the publish's own round trip comes after). Jobs carry token ids and ask for no
-top-k, so the random-weight model needs no tokenizer.
+top-k, so the random-weight model needs no tokenizer. Then the same queued 32K prefill with
+KV checkpoints at the worker's default interval and after every chunk, against none
+(``gpu_checkpoint_overhead``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import time
@@ -24,6 +27,7 @@ import mlx.core as mx
 
 from model.prefill import start_prefill
 from model.registry import LoadedModel
+from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
 
 from .common import Recorder, git_commit, log, refuse_existing
 from .gpu import GEMMA3_270M, gemma3_model
@@ -78,6 +82,36 @@ def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, chunk: int
             "job's prefill_s")
 
 
+def checkpoint_over_none(rec: Recorder, loaded: LoadedModel, n: int, chunk: int,
+                         repeats: int) -> None:
+    """``gpu_checkpoint_overhead``: a queued prefill's tokens/s with KV checkpoints (every
+    ``--checkpoint-every`` default, and after every chunk, the worst case) over without,
+    alternating runs, fastest of each."""
+    ids = mx.random.randint(0, loaded.vocab_size, (n,)).tolist()
+    sides = {"none": "none", "default": DEFAULT_CHECKPOINT_EVERY, "every_chunk": "1"}
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
+    with contextlib.ExitStack() as stack:
+        queued = {side: stack.enter_context(queued_prefill(loaded, top_k=0,
+                                                           checkpoint_every=every))
+                  for side, every in sides.items()}
+        for q in queued.values():
+            q(ids, chunk_tokens=chunk)  # load the scripts, warm up
+        for r in range(repeats):
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                seconds[side].append(queued[side](ids, chunk_tokens=chunk).timings["prefill_s"])
+        written = {side: q.worker.checkpointing.writer.written
+                   for side, q in queued.items() if q.worker.checkpointing is not None}
+    fast = {side: min(s) for side, s in seconds.items()}
+    for side in ("default", "every_chunk"):
+        rec("gpu_checkpoint_overhead", fast["none"] / fast[side], "ratio", floor=0.9,
+            every=sides[side], n_tokens=n, chunk_tokens=chunk, repeats=repeats,
+            checkpoints_written=written[side], tok_s=round(n / fast[side]),
+            none_tok_s=round(n / fast["none"]), model="gemma3-270m shapes", dtype="bfloat16",
+            how="queued prefill_s, alternating with no checkpoints, fastest of each; "
+                "checkpoints in the bench's redis-server")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_queue", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     for n, chunk in CASES:
         log(f"queue vs in process: {n} tokens in {chunk}-token chunks")
         queue_over_in_process(rec, loaded, n, chunk, args.repeats)
+    n, chunk = CASES[-1]
+    log(f"checkpoints vs none: {n} tokens in {chunk}-token chunks")
+    checkpoint_over_none(rec, loaded, n, chunk, args.repeats)
     return 0
 
 

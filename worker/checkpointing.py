@@ -128,6 +128,9 @@ class Checkpointing:
             on_written=lambda record: self._switch(job_id, attempt, state, record))
         if started:
             state.chunks_since, state.since = 0, time.monotonic()
+        elif self.writer.in_flight:
+            log.info("job %s: checkpoint due at %d, the previous write is still in flight",
+                     job_id, p.cursor)
         return started
 
     def _switch(self, job_id: str, attempt: int, state: JobCheckpoints,
@@ -138,6 +141,9 @@ class Checkpointing:
             keys=[keys.job(job_id)], args=[self.worker, attempt, key, record.cursor])
         if outcome == b"switched":
             state.latest, state.key = record, key
+            log.info("job %s checkpoint %d at %d in force, written in %.2f s (%d bytes with "
+                     "the rows before it)", job_id, record.seq, record.cursor,
+                     time.monotonic() - state.since, record.nbytes)
         else:
             log.info("job %s: checkpoint %d at %d not switched (%s)", job_id, record.seq,
                      record.cursor, outcome.decode())

@@ -283,8 +283,9 @@ class Stepper:
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
     def chunk_failed(self, active: ActiveJob, error: Exception) -> None:
-        """A chunk raised: the cache is poisoned. Back to intake at cursor 0, or `failed`
-        with ``ModelError`` once the job's failures reach ``max_attempts``."""
+        """A chunk raised: the cache is poisoned. Back to intake (to resume from its latest
+        checkpoint, else cursor 0), or `failed` with ``ModelError`` once the job's failures
+        reach ``max_attempts``."""
         log.error("job %s: chunk failed at %d/%d", active.job_id, active.prefill.cursor,
                   active.prefill.n_tokens, exc_info=error)
         self.requeue(active, failure=("ModelError", f"{type(error).__name__}: {error}"))
@@ -293,6 +294,8 @@ class Stepper:
         """Hand `active` back to intake (its cache dies here); `failure` counts toward
         ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
         error_type, message = failure or ("", "")
+        if active.checkpoints is not None:  # the restart sees the checkpoint in flight
+            self.checkpointing.flush()
         args = [*self._fence_args(active), "1" if failure else "0", error_type,
                 message[:MAX_ERROR_CHARS]]
         with self.connection.pipeline() as pipe:

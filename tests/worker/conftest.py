@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 
+import fakeredis
 import pytest
+import redis
 
 from jobs import PrefillClient
+from worker.checkpoints import FileStore, RedisStore
 from worker.worker import PrefillWorker
 
 from .helpers import CHUNK, MODEL, OnChunk
@@ -45,3 +48,15 @@ def setup(redis_conn, tiny):
         return worker, PrefillClient(redis_conn())
 
     return make
+
+
+@pytest.fixture(params=["file", "fakeredis", "redis"])
+def store(request, tmp_path):
+    """A checkpoint store: a directory, fakeredis, or the real redis-server (flushed)."""
+    if request.param == "file":
+        return FileStore(tmp_path / "ckpt")
+    if request.param == "fakeredis":
+        return RedisStore(fakeredis.FakeStrictRedis(server=fakeredis.FakeServer()))
+    connection = redis.Redis.from_url(request.getfixturevalue("redis_server"))
+    connection.flushall()
+    return RedisStore(connection)

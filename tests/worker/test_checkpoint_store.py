@@ -21,15 +21,6 @@ from worker.checkpoints.store import STALE_TEMP_S
 KEY = keys.checkpoint("j/../x", 3, "segment")  # a job id with a slash stays inside the root
 
 
-@pytest.fixture(params=["file", "fakeredis", "redis"])
-def store(request, tmp_path):
-    if request.param == "file":
-        return FileStore(tmp_path / "ckpt")
-    if request.param == "fakeredis":
-        return RedisStore(fakeredis.FakeStrictRedis(server=fakeredis.FakeServer()))
-    connection = redis.Redis.from_url(request.getfixturevalue("redis_server"))
-    connection.flushall()
-    return RedisStore(connection)
 
 
 def test_put_get_touch_delete(store):

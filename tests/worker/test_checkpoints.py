@@ -12,11 +12,9 @@ import logging
 import threading
 import time
 
-import fakeredis
 import mlx.core as mx
 import numpy as np
 import pytest
-import redis
 
 from jobs import keys
 from model.planner import ChunkPlan
@@ -24,7 +22,6 @@ from worker.checkpoints import (
     CheckpointUnusable,
     CheckpointWriter,
     FileStore,
-    RedisStore,
     delete_all,
     latest_usable,
     load,
@@ -44,15 +41,6 @@ from .checkpoint_helpers import (
 GEMMA = "gemma3-tiny"
 
 
-@pytest.fixture(params=["file", "fakeredis", "redis"])
-def store(request, tmp_path):
-    if request.param == "file":
-        return FileStore(tmp_path / "ckpt")
-    if request.param == "fakeredis":
-        return RedisStore(fakeredis.FakeStrictRedis(server=fakeredis.FakeServer()))
-    connection = redis.Redis.from_url(request.getfixturevalue("redis_server"))
-    connection.flushall()
-    return RedisStore(connection)
 
 
 def stored_keys(store) -> list[str]:

@@ -163,8 +163,10 @@ def test_priority_orders_admission(setup, on_chunk):
 # -- failures ------------------------------------------------------------------------------
 
 
-def test_failed_chunk_is_retried_from_zero(setup, on_chunk, tiny):
-    worker, client = setup()
+@pytest.mark.parametrize("checkpoint_every, resumed_from", [("none", None), ("1", 16)])
+def test_failed_chunk_is_retried_from_its_last_checkpoint_else_zero(
+        setup, on_chunk, tiny, checkpoint_every, resumed_from):
+    worker, client = setup(checkpoint_every=checkpoint_every)
     token_ids = ids(100, 11)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=5)
 
@@ -176,7 +178,10 @@ def test_failed_chunk_is_retried_from_zero(setup, on_chunk, tiny):
     worker.work(burst=True)
     status = client.status(job)
     assert (status.state, status.attempts, status.cursor) == (JobState.FINISHED, 2, 100)
-    assert status.chunks_done == -(-100 // CHUNK), "the second attempt started from cursor 0"
+    # the checkpoint after chunk 1 (cursor 16) was good; chunk 2's cache was poisoned
+    start = resumed_from or 0
+    assert status.resumed_from == resumed_from
+    assert status.chunks_done == -(-(100 - start) // CHUNK)
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
 
 
