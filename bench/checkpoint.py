@@ -4,8 +4,9 @@
   checkpointed at the default interval and not at all, alternating; the ratio of the two
   tokens/s (each the job's own ``prefill_s``).
 - ``resume_saving``: two ``prefillq worker`` processes on one redis-server. A job routed to
-  the first is SIGKILLed at 75% of the cold run's time; the second finds it (heartbeat TTL
-  2 s), restores its latest checkpoint and finishes. The seconds from the kill to
+  the first is SIGKILLed half a chunk after it has prefilled 75% of its tokens (a death
+  lands inside a chunk); the second finds it (heartbeat TTL 2 s), restores its latest
+  checkpoint and finishes. The seconds from the kill to
   ``finished`` over the cold run's seconds (submit to ``finished``, the same prompt on the
   second worker first, uninterrupted). Each worker runs one short job first, unmeasured.
 """
@@ -61,11 +62,12 @@ def checkpoint_overhead(rec: Recorder, loaded: LoadedModel, n: int = 8192,
 
 
 def resume_saving(rec: Recorder, model: str = "gemma3-270m", n: int = 8192,
-                  chunk_tokens: int = 1000, kill_at: float = 0.75,
+                  chunk_tokens: int = 512, kill_at: float = 0.75,
                   ids: list[int] | None = None) -> None:
-    """Record ``resume_saving`` (see the module docstring). `chunk_tokens` is not a divisor
-    of the kill point, so the kill does not land on a chunk boundary. `ids`: the prompt
-    (default: `n` real Gemma 3 ids)."""
+    """Record ``resume_saving`` (see the module docstring). The saving depends on how much
+    was computed since the last checkpoint: with a checkpoint after every chunk (512-token
+    CPU chunks take over the default 2 s) that is at most one chunk, 1/16 of this prompt.
+    `ids`: the prompt (default: `n` real Gemma 3 ids)."""
     ids = ids or prompt_ids(n)
     n = len(ids)
     log(f"resume saving: {n} tokens in {chunk_tokens}-token chunks, SIGKILL at {kill_at:.0%}")
@@ -84,7 +86,8 @@ def resume_saving(rec: Recorder, model: str = "gemma3-270m", n: int = 8192,
             cold_s = time.monotonic() - t0
             job = _routed(client, ids, model, "w1")
             started = time.monotonic()
-            time.sleep(kill_at * cold_s)
+            _wait(lambda: client.status(job).cursor >= kill_at * n, 3600)
+            time.sleep(cold_s * chunk_tokens / n / 2)  # into the next chunk, as deaths land
             procs["w1"].send_signal(signal.SIGKILL)
             killed = time.monotonic()
             at = client.status(job).cursor
@@ -103,7 +106,8 @@ def resume_saving(rec: Recorder, model: str = "gemma3-270m", n: int = 8192,
         cursor_at_kill=at, resumed_from=status.resumed_from, resume_s=round(resume_s, 2),
         cold_s=round(cold_s, 2), heartbeat_ttl_s=HEARTBEAT_TTL_S,
         every=DEFAULT_CHECKPOINT_EVERY, model=model, checkpoint_log=notes[-6:],
-        how="two worker processes; kill to finished over a cold run's submit to finished")
+        how="two worker processes; SIGKILL half a chunk after 75% of the tokens; kill to "
+            "finished over a cold run's submit to finished")
 
 
 def _worker(url: str, name: str, model: str, chunk_tokens: int, logs: Path):
