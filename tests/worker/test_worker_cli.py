@@ -1,0 +1,43 @@
+"""`prefillq worker`'s session and checkpoint options are checked before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
+from worker.cli import build_parser
+
+
+def parse(*args: str):
+    return build_parser().parse_args(["worker", *args])
+
+
+def test_defaults():
+    args = parse()
+    assert (args.session_slots, args.session_bytes) == (4, None)
+    assert (args.checkpoint_store, args.checkpoint_every) == (None, DEFAULT_CHECKPOINT_EVERY)
+    assert CheckpointPolicy.parse(args.checkpoint_every) == CheckpointPolicy(seconds=2.0)
+
+
+@pytest.mark.parametrize("text, policy", [
+    ("3", CheckpointPolicy(chunks=3)), ("0.5s", CheckpointPolicy(seconds=0.5)),
+    ("10 S", CheckpointPolicy(seconds=10.0)), ("none", None), ("NONE", None),
+])
+def test_checkpoint_every_takes_chunks_seconds_or_none(text, policy):
+    assert CheckpointPolicy.parse(parse("--checkpoint-every", text).checkpoint_every) == policy
+
+
+@pytest.mark.parametrize("flags", [
+    ("--checkpoint-every", "0"), ("--checkpoint-every", "0s"), ("--checkpoint-every", "-2"),
+    ("--checkpoint-every", "2m"), ("--session-slots", "-1"), ("--checkpoint-max-bytes", "0"),
+])
+def test_bad_values_exit_two_with_a_message(flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(*flags)
+    assert exit_.value.code == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_a_policy_is_due_by_chunks_or_by_seconds():
+    assert CheckpointPolicy(chunks=2).due(2, 0.0) and not CheckpointPolicy(chunks=2).due(1, 99)
+    assert CheckpointPolicy(seconds=2).due(0, 2.0) and not CheckpointPolicy(seconds=2).due(9, 1.9)
