@@ -18,8 +18,8 @@ import pytest
 from model.cache import CachePoisoned, CacheStateError
 from model.cache_state import STATE_VERSION, CacheState
 from model.prefill import prefill_chunk
+from tests.exactness import assert_contract
 
-EXACT_RTOL = 1e-3  # the chunked-equals-one-pass contract: max |diff| <= 1e-3 x max |logit|
 N_TINY = 300  # both tiny models: 16-token windows wrap, 2 ratio-128 groups, 75 ratio-4 rows
 # Restored-then-continued vs one pass, tiny models in float32 on CPU, as a fraction of
 # max |logit|: measured 5.9e-7 to 6.8e-7 (gemma3-tiny) and 3.8e-7 to 4.7e-7
@@ -71,15 +71,6 @@ def round_trip(model, cache):
     assert again.blobs == state.blobs
     assert restored.position == cache.position and restored.capacity == cache.capacity
     return restored
-
-
-def assert_contract(out: np.ndarray, ref: np.ndarray, bound: float) -> float:
-    scale = float(np.abs(ref).max())
-    diff = float(np.abs(out - ref).max())
-    assert diff <= EXACT_RTOL * scale
-    assert diff <= bound * scale, f"max |diff| {diff / scale:.3g} x max|logit| > {bound}"
-    assert int(out.argmax()) == int(ref.argmax())
-    return diff / scale
 
 
 @functools.cache

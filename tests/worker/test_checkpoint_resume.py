@@ -21,14 +21,13 @@ import pytest
 import redis
 
 from jobs import keys
+from tests.exactness import EXACT_RTOL, assert_contract
 from worker.checkpoints import FileStore, RedisStore
 
 from .checkpoint_helpers import (
     CHECKPOINT_AT,
-    EXACT_RTOL,
     JOB,
     argmax_margin,
-    assert_contract,
     checkpointed_prefill,
     chunked,
     one_pass,
