@@ -113,8 +113,16 @@ class Checkpointing:
 
     def last(self, active) -> None:
         """Checkpoint `active` now and wait for it (a hand-back: another worker resumes
-        here). A write that fails leaves the previous checkpoint in force."""
+        here). A chunk launched for it is finished first (its rows are in the cache already);
+        one that fails, or a write that fails, leaves the previous checkpoint in force."""
         self.flush()
+        if active.prefill.launched:
+            try:
+                active.prefill.step()
+            except Exception as e:
+                log.warning("job %s: its launched chunk failed at hand-back (%s: %s)",
+                            active.job_id, type(e).__name__, e)
+                return
         if self._submit(active):
             self.flush()
 

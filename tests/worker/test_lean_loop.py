@@ -14,7 +14,7 @@ import time
 import pytest
 import redis
 
-from jobs import JobState, PrefillClient
+from jobs import JobState, PrefillClient, keys
 from worker.redis_server import RedisServer, calls_since, command_calls
 from worker.worker import PrefillWorker
 
@@ -138,3 +138,19 @@ def test_an_admission_launches_the_chunk_whose_turn_is_next(setup, tiny):
     worker.work(burst=True, logging_level="WARNING")
     assert_logits_match(client.result(first, timeout=0), tiny, first_ids)
     assert_logits_match(client.result(second, timeout=0), tiny, second_ids)
+
+
+def test_a_hand_back_finishes_a_launched_chunk_and_checkpoints_it(setup, tiny):
+    """SIGTERM right after an admission: the chunk launched for the next turn is finished
+    and checkpointed before the job goes back, so another worker resumes after it."""
+    worker, client = setup(checkpoint_every="3600s")  # only the hand-back's checkpoint
+    token_ids = ids(80, 5)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
+    worker.advance(job)  # the first chunk is done, the second launched
+    assert worker.active[job].prefill.launched
+    worker.hand_back_active()
+    assert int(client.redis.hget(keys.job(job), "checkpoint_cursor")) == 2 * CHUNK
+    other, _ = setup(name="w2")
+    other.work(burst=True, logging_level="WARNING")
+    assert client.status(job).resumed_from == 2 * CHUNK
+    assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
