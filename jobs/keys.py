@@ -35,6 +35,9 @@ WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
 # session id -> name of the worker that keeps the session's slot (its KV cache, committed
 # tokens and turn anchor); a session's next job is routed to that worker while it lives
 SESSION_HOLDER = PREFIX + ":session:{session}:holder"
+# the latest checkpoint of a session's slot (any worker restores it): the slot's bytes, then
+# the record naming its model and checksum (written last)
+SESSION_CHECKPOINT = PREFIX + ":session:{session}:ckpt:{part}"
 
 # priorities that have an intake queue, per model (a set of ints)
 PRIORITIES = PREFIX + ":priorities:{model}"
@@ -103,6 +106,11 @@ def worker_jobs(worker: str) -> str:
 
 def session_holder(session: str) -> str:
     return SESSION_HOLDER.format(session=session)
+
+
+def session_checkpoint(session: str, part: str) -> str:
+    """Key of `part` (``blob`` or ``record``) of the checkpoint of `session`'s slot."""
+    return SESSION_CHECKPOINT.format(session=session, part=part)
 
 
 def priorities(model: str) -> str:

@@ -18,23 +18,29 @@ fail to match and the restore falls back, so a race costs recomputation, never e
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from redis import Redis
 
 from jobs import keys
+from jobs.defaults import DEFAULT_SESSION_TTL_S
 from jobs.record import JobRecord
 from jobs.scripts import Scripts
+from jobs.serializer import packb, unpackb
 from model.planner import ChunkPlan
 from model.prefill import Prefill
 from model.registry import LoadedModel
+from model.session_state import slot_from_state, slot_state
 
 from .checkpoint_policy import CheckpointPolicy
 from .checkpoints import (
     CheckpointRecord,
     CheckpointStore,
     CheckpointWriter,
+    checksum,
     delete_all,
     latest_usable,
 )
@@ -74,6 +80,7 @@ class Checkpointing:
         self.connection, self.worker, self.store, self.policy = connection, worker, store, policy
         self.writer = CheckpointWriter(store, ttl_s=ttl_s, max_bytes=max_bytes)
         self.scripts = Scripts(connection)
+        self.sessions = SessionCheckpoints(store, ttl_s=DEFAULT_SESSION_TTL_S)
 
     # -- resume ------------------------------------------------------------------------
 
@@ -174,3 +181,80 @@ class Checkpointing:
                 delete_all(self.store, key)
             except Exception:  # blobs expire anyway
                 log.warning("job %s: could not delete its checkpoints", job_id, exc_info=True)
+
+
+class SessionCheckpoints:
+    """Checkpoints of finished sessions' slots, so a session's next turn reuses its prefix
+    on any worker (the holder dead, or its slot evicted). One per session, replaced by each
+    finished turn, written on a background thread after a copy on the caller's; it lives
+    ``ttl_s`` after the session's last turn.
+
+    Args:
+        store: where they go (the job checkpoints' store).
+        ttl_s: lifetime of a session's checkpoint.
+        max_pending: slots copied and waiting to be written; past it a save is skipped.
+    """
+
+    def __init__(self, store: CheckpointStore, *, ttl_s: int, max_pending: int = 2):
+        self.store, self.ttl_s, self.max_pending = store, ttl_s, max_pending
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-ckpt")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def save(self, session: str, loaded: LoadedModel, slot) -> bool:
+        """Copy `slot` now and write it in the background; False when skipped (a poisoned
+        cache, or too many saves pending)."""
+        with self._lock:
+            if self._pending >= self.max_pending:
+                log.info("session %s: checkpoint skipped, %d pending", session, self._pending)
+                return False
+            self._pending += 1
+        try:
+            blob = packb(slot_state(slot))
+        except Exception as e:
+            with self._lock:
+                self._pending -= 1
+            log.info("session %s: no checkpoint (%s: %s)", session, type(e).__name__, e)
+            return False
+        record = packb({"model": loaded.name, "model_sha256": loaded.sha256,
+                        "checksum": checksum(blob), "nbytes": len(blob),
+                        "committed": len(slot.committed), "written_at": time.time()})
+        self._writer.submit(self._write, session, blob, record)
+        return True
+
+    def _write(self, session: str, blob: bytes, record: bytes) -> None:
+        try:  # the blob first: the record is what makes it visible
+            self.store.put(keys.session_checkpoint(session, "blob"), blob, self.ttl_s)
+            self.store.put(keys.session_checkpoint(session, "record"), record, self.ttl_s)
+            log.info("session %s: slot checkpointed (%d bytes)", session, len(blob))
+        except Exception as e:
+            log.warning("session %s: slot checkpoint failed: %s: %s", session,
+                        type(e).__name__, e)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def load(self, session: str, loaded: LoadedModel):
+        """The session's checkpointed slot for `loaded`, or None (none, expired, another
+        model, a checksum mismatch or a state that does not fit: logged)."""
+        raw = self.store.get(keys.session_checkpoint(session, "record"))
+        if raw is None:
+            return None
+        try:
+            record = unpackb(raw)
+            if (record["model"], record["model_sha256"]) != (loaded.name, loaded.sha256):
+                raise ValueError(f"it is of {record['model']} {record['model_sha256'][:12]}")
+            blob = self.store.get(keys.session_checkpoint(session, "blob"))
+            if blob is None or checksum(blob) != record["checksum"]:
+                raise ValueError("its blob is missing or fails its checksum")
+            slot = slot_from_state(loaded.model, unpackb(blob))
+        except Exception as e:
+            log.warning("session %s: checkpoint not used: %s", session, e)
+            return None
+        log.info("session %s: slot restored from its checkpoint (%d tokens)", session,
+                 len(slot.committed))
+        return slot
+
+    def flush(self) -> None:
+        """Wait for the saves pending (tests, shutdown)."""
+        self._writer.submit(lambda: None).result()

@@ -73,7 +73,7 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
     caps = [c for c in (chunk_tokens, record.chunk_tokens) if c is not None]
     cap = min(caps) if caps else None
     if record.session and sessions is not None and sessions.max_slots > 0:
-        return _session_prefill(loaded, record, ids, cap, sessions)
+        return _session_prefill(loaded, record, ids, cap, sessions, checkpointing)
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)
@@ -91,10 +91,14 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
 
 
 def _session_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
-                     chunk_tokens: int | None, sessions: SessionSlots) -> Prepared:
+                     chunk_tokens: int | None, sessions: SessionSlots,
+                     checkpointing: Checkpointing | None) -> Prepared:
     # A session job plans afresh at every start: where its cursor starts depends on what
     # this worker's slot reuses, so a recorded plan (made against another slot) is not used.
+    # Without a slot here, the session's checkpointed slot (its last finished turn) is used.
     slot = sessions.take(record.session, loaded.name)
+    if slot is None and checkpointing is not None:
+        slot = checkpointing.sessions.load(record.session, loaded)
     try:
         prefill, slot = loaded.session_prefill(slot, ids, chunk_tokens=chunk_tokens)
     except Exception as e:  # the slot may be half applied: it is not kept

@@ -265,6 +265,8 @@ class Stepper:
         reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
+        if reply.outcome == "finished" and active.slot is not None and self.checkpointing:
+            self.checkpointing.sessions.save(active.session, active.model, active.slot)
         self.drop(active, ended=reply.outcome != "fenced")
         return reply
 

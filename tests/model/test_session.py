@@ -331,3 +331,48 @@ def test_resetting_a_failed_session_prefill_replans_from_zero(h, monkeypatch):
 def test_a_cold_prefill_reports_no_reuse(h):
     prefill = h.loaded.start_prefill(h.text[:20])
     assert (prefill.cached_tokens, prefill.reuse) == (0, "cold")
+
+
+def saved_and_restored(h: Harness, slot):
+    """`slot` through `slot_state`, msgpack and `slot_from_state`: another process's copy."""
+    import msgpack
+
+    from model.session_state import slot_from_state, slot_state
+
+    blob = msgpack.packb(slot_state(slot), use_bin_type=True)
+    return slot_from_state(h.loaded.model, msgpack.unpackb(blob, raw=False))
+
+
+def test_a_restored_slot_continues_live_and_from_its_anchor(h):
+    ids1, slot = h.first_turn()
+    restored = saved_and_restored(h, slot)
+    assert restored.committed == ids1 and restored.anchor_tokens == ids1[:-8]
+    live_ids = h.text[: h.n1 + 100]
+    prefill, _ = h.turn(restored, live_ids)
+    assert (prefill.reuse, prefill.cached_tokens) == (LIVE, h.n1)
+    prefill.run()
+    h.check("restored slot, live", prefill, live_ids)
+    anchor_ids = ids1[:-3] + h.other[:60]
+    prefill, _ = h.turn(saved_and_restored(h, slot), anchor_ids)
+    assert (prefill.reuse, prefill.cached_tokens) == (ANCHOR, h.n1 - 8)
+    prefill.run()
+    h.check("restored slot, anchor", prefill, anchor_ids)
+
+
+def test_a_slot_state_of_another_model_or_mangled_is_refused(h):
+    from model.cache import CacheStateError
+    from model.session_state import slot_from_state, slot_state
+
+    _, slot = h.first_turn()
+    state = slot_state(slot)
+    with pytest.raises(CacheStateError):
+        slot_from_state(h.loaded.model, {**state, "version": 99})
+    with pytest.raises(CacheStateError):
+        slot_from_state(h.loaded.model, {**state, "committed": state["committed"][:-1]})
+    with pytest.raises(CacheStateError):
+        slot_from_state(h.loaded.model, {**state, "anchor_tokens": [0] * 5})
+    other = "gemma3-tiny" if h.loaded.architecture != "gemma3" else "deepseek4-tiny"
+    from model.registry import load_model
+
+    with pytest.raises(CacheStateError):
+        slot_from_state(load_model(other, dtype=mx.float32).model, state)

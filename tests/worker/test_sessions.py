@@ -86,7 +86,7 @@ def test_a_canceled_turn_leaves_its_slot_consistent(setup, tiny, on_chunk):
 
 
 def test_the_least_recently_used_session_is_evicted(setup, tiny):
-    worker, client = setup(session_slots=1)
+    worker, client = setup(session_slots=1, checkpoint_every="none")  # no slot checkpoints
     turn(client, worker, HISTORY, session="a")
     turn(client, worker, ids(150, 14), session="b")  # evicts a
     assert client.redis.get(keys.session_holder("a")) is None
@@ -97,7 +97,7 @@ def test_the_least_recently_used_session_is_evicted(setup, tiny):
 
 
 def test_a_byte_bound_below_one_slot_keeps_nothing(setup, tiny):
-    worker, client = setup(session_bytes=1024)
+    worker, client = setup(session_bytes=1024, checkpoint_every="none")
     turn(client, worker, HISTORY)
     assert len(worker.sessions) == 0
     _, result = turn(client, worker, HISTORY + [300])
@@ -122,8 +122,8 @@ def test_the_next_turn_goes_to_the_worker_that_keeps_the_slot(setup, tiny):
 
 
 def test_a_stopping_holder_hands_routed_jobs_to_any_worker(setup, tiny):
-    holder, client = setup(name="w1")
-    other, _ = setup(name="w2")
+    holder, client = setup(name="w1", checkpoint_every="none")
+    other, _ = setup(name="w2", checkpoint_every="none")
     turn(client, holder, HISTORY)
     holder.register_models()
     follow_ids = HISTORY + ids(30, 17)[1:]
@@ -143,3 +143,39 @@ def test_a_worker_keeping_no_sessions_runs_session_jobs_cold(setup, tiny):
     _, result = turn(client, worker, HISTORY + [300, 301])
     assert (result.reuse, result.cached_tokens) == ("cold", 0)
     assert client.redis.get(keys.session_holder("chat")) is None
+
+
+def test_an_evicted_or_elsewhere_session_resumes_from_its_slot_checkpoint(setup, tiny):
+    """A finished turn's slot is checkpointed: a worker without the slot (another worker,
+    or this one after evicting it) continues the session from it instead of running cold."""
+    first, client = setup(name="w1")
+    turn(client, first, HISTORY)
+    first.checkpointing.sessions.flush()
+    assert client.redis.exists(keys.session_checkpoint("chat", "record"))
+    other, _ = setup(name="w2")  # the holder w1 is not alive: intake, then w2
+    follow_ids = HISTORY + ids(41, 18)[1:]
+    job, result = turn(client, other, follow_ids)
+    assert client.status(job).worker == "w2"
+    assert (result.reuse, result.cached_tokens) == ("live", 200)
+    assert_logits_match(result, tiny, follow_ids)
+    other.checkpointing.sessions.flush()
+    rewritten = follow_ids[:-3] + [300, 301, 302, 303]
+    third, _ = setup(name="w3")
+    _, result = turn(client, third, rewritten)  # the anchor of w2's turn, restored on w3
+    assert (result.reuse, result.cached_tokens) == ("recovery-anchor", len(follow_ids) - 8)
+    assert_logits_match(result, tiny, rewritten)
+
+
+def test_a_corrupt_slot_checkpoint_runs_cold(setup, tiny):
+    first, client = setup(name="w1")
+    turn(client, first, HISTORY)
+    first.checkpointing.sessions.flush()
+    blob_key = keys.session_checkpoint("chat", "blob")
+    blob = bytearray(client.redis.get(blob_key))
+    blob[len(blob) // 2] ^= 0xFF
+    client.redis.set(blob_key, bytes(blob))
+    other, _ = setup(name="w2")
+    follow_ids = HISTORY + ids(41, 19)[1:]
+    _, result = turn(client, other, follow_ids)
+    assert (result.reuse, result.cached_tokens) == ("cold", 0)
+    assert_logits_match(result, tiny, follow_ids)

@@ -7,7 +7,7 @@ worker (DESIGN.md §9).
 - `restore`: `load`, `latest_usable` (falls back one checkpoint, else None) and `delete_all`.
 """
 
-from .record import CheckpointRecord
+from .record import CheckpointRecord, checksum
 from .restore import CheckpointUnusable, delete_all, latest_usable, load
 from .store import CheckpointStore, FileStore, RedisStore, open_store
 from .writer import CheckpointWriter
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointWriter",
     "FileStore",
     "RedisStore",
+    "checksum",
     "delete_all",
     "latest_usable",
     "load",
