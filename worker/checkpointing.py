@@ -210,20 +210,21 @@ class SessionCheckpoints:
                 return False
             self._pending += 1
         try:
-            blob = packb(slot_state(slot))
+            state = slot_state(slot)  # the copy; packing and writing happen on the thread
         except Exception as e:
             with self._lock:
                 self._pending -= 1
             log.info("session %s: no checkpoint (%s: %s)", session, type(e).__name__, e)
             return False
-        record = packb({"model": loaded.name, "model_sha256": loaded.sha256,
-                        "checksum": checksum(blob), "nbytes": len(blob),
-                        "committed": len(slot.committed), "written_at": time.time()})
-        self._writer.submit(self._write, session, blob, record)
+        self._writer.submit(self._write, session, loaded.name, loaded.sha256, state)
         return True
 
-    def _write(self, session: str, blob: bytes, record: bytes) -> None:
+    def _write(self, session: str, model: str, sha256: str, state: dict) -> None:
         try:  # the blob first: the record is what makes it visible
+            blob = packb(state)
+            record = packb({"model": model, "model_sha256": sha256, "checksum": checksum(blob),
+                            "nbytes": len(blob), "committed": len(state["committed"]),
+                            "written_at": time.time()})
             self.store.put(keys.session_checkpoint(session, "blob"), blob, self.ttl_s)
             self.store.put(keys.session_checkpoint(session, "record"), record, self.ttl_s)
             log.info("session %s: slot checkpointed (%d bytes)", session, len(blob))
