@@ -26,34 +26,24 @@ class CLIError(Exception):
     """A usage or input error: printed as one line, exit status 2."""
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0.
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= `minimum` (so a bad size fails before any model
+    loads); it raises ``argparse.ArgumentTypeError`` otherwise."""
 
-    Raises:
-        argparse.ArgumentTypeError: `text` is not such an integer.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"want an integer >= 0, got {text!r}")
-    return value
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"want an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (so a bad size fails before any model loads).
-
-    Raises:
-        argparse.ArgumentTypeError: `text` is not such an integer.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
-    return value
+non_negative_int = int_at_least(0)
+positive_int = int_at_least(1)
 
 
 def add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
