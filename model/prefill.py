@@ -135,6 +135,7 @@ class Prefill:
     cached_tokens: int = 0  # tokens a session's slot supplied: the cursor started here
     reuse: str = "cold"  # how they were reused (`model.session`)
     resumed_from: int | None = None  # the cursor a KV checkpoint restored (a restart)
+    last_chunk_seconds: float = 0.0  # wall time of the last chunk, from its launch or step
     _hidden: mx.array | None = field(default=None, repr=False)
     _launched: tuple | Exception | None = field(default=None, repr=False)
 
@@ -173,10 +174,12 @@ class Prefill:
             raise launched
         if launched is None:
             launched = self._launch()
-        start, end, hidden, build_seconds = launched
+        start, end, hidden, build_seconds, began = launched
         t0 = time.perf_counter()
         self._hidden = finish_chunk(self.cache, hidden, end - start)
-        self.compute_seconds += build_seconds + time.perf_counter() - t0
+        done = time.perf_counter()
+        self.compute_seconds += build_seconds + done - t0
+        self.last_chunk_seconds = done - began
         self.chunks_done += 1
         return end - start
 
@@ -196,11 +199,11 @@ class Prefill:
         except Exception as error:  # raised where the chunk's outcome is handled
             self._launched = error
 
-    def _launch(self) -> tuple[int, int, mx.array, float]:
+    def _launch(self) -> tuple[int, int, mx.array, float, float]:
         start, end = self.plan.next_chunk(self.cursor)
         t0 = time.perf_counter()
         hidden = launch_chunk(self.model, self.cache, self.token_ids[start:end])
-        return start, end, hidden, time.perf_counter() - t0
+        return start, end, hidden, time.perf_counter() - t0, t0
 
     def run(self) -> np.ndarray:
         """Run every remaining chunk and return the final logits."""

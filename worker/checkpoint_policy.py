@@ -35,13 +35,32 @@ class CheckpointPolicy:
         if match:
             seconds = float(match.group(1))
             if seconds <= 0:
-                raise ValueError(f"--checkpoint-every {text!r}: want a positive duration")
+                raise ValueError(f"{text!r}: want a positive duration")
             return cls(seconds=seconds)
         if text.isdigit() and int(text) > 0:
             return cls(chunks=int(text))
-        raise ValueError(f"--checkpoint-every {text!r}: want N (chunks), Ns (seconds) or none")
+        raise ValueError(f"{text!r}: want N >= 1 (chunks), Ns > 0 (seconds) or none")
 
     def due(self, chunks_since: int, seconds_since: float) -> bool:
         if self.chunks is not None:
             return chunks_since >= self.chunks
         return seconds_since >= (self.seconds or 0.0)
+
+
+def check_store_url(url: str) -> str:
+    """``--checkpoint-store``'s value, checked before any model loads: ``redis`` (the
+    queue's own Redis), ``redis://``, ``rediss://``, ``unix://`` or ``file:///abs/path``.
+
+    Raises:
+        ValueError: another scheme, or a file URL with a host or a relative path.
+    """
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if url == "redis" or parsed.scheme in ("redis", "rediss", "unix"):
+        return url
+    local = parsed.netloc in ("", "localhost") and parsed.path.startswith("/")
+    if parsed.scheme == "file" and local:
+        return url
+    raise ValueError(f"checkpoint store {url!r}: want redis (this queue's), redis://..., or "
+                     "file:///absolute/path")

@@ -130,13 +130,12 @@ class Stepper:
         brings back the other resident jobs' cancel flags and whether intake is waiting."""
         job_id, p = active.job_id, active.prefill
         self.active[job_id] = self.active.pop(job_id)  # its next turn comes after the others'
-        t0 = time.perf_counter()
         try:
             n = p.step()
         except Exception as error:  # the job's boundary: record it, keep serving
             self.chunk_failed(active, error)
             return
-        dt = time.perf_counter() - t0
+        dt = max(p.last_chunk_seconds, 1e-9)  # a launched chunk: from its launch
         log.info(
             "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
             job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,

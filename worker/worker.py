@@ -154,6 +154,9 @@ class PrefillWorker(SimpleWorker):
         self.sessions = SessionSlots(connection, name, max_slots=session_slots,
                                      max_bytes=session_bytes)
         policy = CheckpointPolicy.parse(checkpoint_every or "none")
+        self._checkpoints_line = ("KV checkpoints: off" if policy is None else
+                                  f"KV checkpoints: every {checkpoint_every} to "
+                                  f"{checkpoint_store or 'the queue Redis'}")
         self.checkpointing = None if policy is None else Checkpointing(
             connection, name, open_store(checkpoint_store, connection), policy,
             ttl_s=result_ttl_s, max_bytes=checkpoint_max_bytes)
@@ -198,6 +201,7 @@ class PrefillWorker(SimpleWorker):
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
+        log.info("%s", self._checkpoints_line)
         self.register_models()
         self.liveness.start()
 

@@ -30,6 +30,8 @@ def test_checkpoint_every_takes_chunks_seconds_or_none(text, policy):
 @pytest.mark.parametrize("flags", [
     ("--checkpoint-every", "0"), ("--checkpoint-every", "0s"), ("--checkpoint-every", "-2"),
     ("--checkpoint-every", "2m"), ("--session-slots", "-1"), ("--checkpoint-max-bytes", "0"),
+    ("--checkpoint-store", "s3://bucket"), ("--checkpoint-store", "file://relative/dir"),
+    ("--checkpoint-store", "file://host/abs"),
 ])
 def test_bad_values_exit_two_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -41,3 +43,16 @@ def test_bad_values_exit_two_with_a_message(flags, capsys):
 def test_a_policy_is_due_by_chunks_or_by_seconds():
     assert CheckpointPolicy(chunks=2).due(2, 0.0) and not CheckpointPolicy(chunks=2).due(1, 99)
     assert CheckpointPolicy(seconds=2).due(0, 2.0) and not CheckpointPolicy(seconds=2).due(9, 1.9)
+
+
+@pytest.mark.parametrize("url", ["redis", "redis://h:6379/1", "unix:///run/r.sock",
+                                 "file:///shared/ckpt"])
+def test_checkpoint_stores_by_url(url):
+    assert parse("--checkpoint-store", url).checkpoint_store == url
+
+
+def test_a_directory_store_that_cannot_be_made_is_a_clear_error():
+    from worker.checkpoints import open_store
+
+    with pytest.raises(ValueError, match="checkpoint store 'file:///proc/nope'"):
+        open_store("file:///proc/nope", None)

@@ -17,6 +17,8 @@ from urllib.parse import quote, unquote, urlparse
 
 import redis
 
+from ..checkpoint_policy import check_store_url
+
 # File store header: magic, then the expiry as float64 UTC epoch seconds (big-endian).
 _MAGIC = b"PQCKPT1\n"
 _HEADER = struct.Struct(">d")
@@ -187,13 +189,12 @@ def open_store(url: str | None, connection: redis.Redis) -> CheckpointStore:
     Raises:
         ValueError: any other URL, or a file URL with a host or a relative path.
     """
-    if url is None or url == "redis":
+    if url is None or check_store_url(url) == "redis":
         return RedisStore(connection)
     parsed = urlparse(url)
-    if parsed.scheme in ("redis", "rediss", "unix"):
-        return RedisStore(redis.Redis.from_url(url))
     if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
-            raise ValueError(f"checkpoint store {url!r}: use file:///absolute/path")
-        return FileStore(Path(unquote(parsed.path)))
-    raise ValueError(f"checkpoint store {url!r} is not redis, redis://..., or file:///path")
+        try:
+            return FileStore(Path(unquote(parsed.path)))
+        except OSError as e:
+            raise ValueError(f"checkpoint store {url!r}: {e.strerror}") from e
+    return RedisStore(redis.Redis.from_url(url))

@@ -15,7 +15,7 @@ from jobs.defaults import (
     DEFAULT_SESSION_SLOTS,
 )
 
-from ..checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
+from ..checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
 from .loading import load_models
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -60,6 +60,14 @@ def checkpoint_every(text: str) -> str:
     return text
 
 
+def checkpoint_store(text: str) -> str:
+    """argparse type for ``--checkpoint-store`` (`check_store_url`)."""
+    try:
+        return check_store_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_worker(sub) -> None:
     """Add ``worker`` to the subparsers `sub`."""
     worker = sub.add_parser("worker", help="serve prefill jobs from Redis")
@@ -79,9 +87,10 @@ def add_worker(sub) -> None:
                              "used evicted first; 0 keeps none (default: %(default)s)")
     worker.add_argument("--session-bytes", type=non_negative_int,
                         help="bound on the kept sessions' bytes (KV rows and turn anchors)")
-    worker.add_argument("--checkpoint-store", metavar="URL",
-                        help="where KV checkpoints go: redis://... or file:///shared/dir "
-                             "(default: this queue's Redis)")
+    worker.add_argument("--checkpoint-store", metavar="URL", type=checkpoint_store,
+                        help="where KV checkpoints go: redis://... or file:///shared/dir, "
+                             "the same for every worker of a queue (default: this queue's "
+                             "Redis)")
     worker.add_argument("--checkpoint-every", type=checkpoint_every,
                         default=DEFAULT_CHECKPOINT_EVERY, metavar="N|Ns|none",
                         help="checkpoint a resident job every N chunks or N seconds, or never "
