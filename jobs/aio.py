@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 
 from . import keys, protocol
 from .client import redis_url
@@ -27,12 +27,21 @@ from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL
 
+# Connections `from_url` opens for commands; beyond them a call waits for a free one
+# (redis.asyncio's plain pool raises MaxConnectionsError at 100 concurrent calls).
+DEFAULT_MAX_CONNECTIONS = 64
+# Connections for pub/sub: a waiting `watch` or `result` holds one for as long as it waits,
+# so they come from their own pool and can never starve the commands the waits need.
+DEFAULT_MAX_WAITERS = 10_000
+
 
 class AsyncPrefillClient:
     """Asyncio client of the prefill queue (see `PrefillClient` for the semantics).
 
     Args:
         redis: a redis.asyncio connection (``decode_responses`` must be False).
+        pubsub_redis: the connection `watch` subscribes on (default `redis`); give it its
+            own pool when many waits run at once (`from_url` does).
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
             set it for the jobs they end; keep the two equal).
@@ -42,23 +51,36 @@ class AsyncPrefillClient:
         self,
         redis: Redis,
         *,
+        pubsub_redis: Redis | None = None,
         max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH,
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
     ):
         self.redis = redis
+        self.pubsub_redis = redis if pubsub_redis is None else pubsub_redis
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
         self._cancel = redis.register_script(CANCEL)
 
     @classmethod
-    def from_url(cls, url: str | None = None, **kwargs: Any) -> AsyncPrefillClient:
+    def from_url(cls, url: str | None = None, *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_waiters: int = DEFAULT_MAX_WAITERS, **kwargs: Any) -> AsyncPrefillClient:
         """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``
-        (the connection opens on the first call)."""
-        return cls(Redis.from_url(redis_url(url)), **kwargs)
+        (connections open on first use): up to `max_connections` for commands (more
+        concurrent calls wait for one) and `max_waiters` for concurrent `watch`/`result`
+        waits (one more raises redis's MaxConnectionsError)."""
+        url = redis_url(url)
+        commands = BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                   timeout=None)
+        waits = ConnectionPool.from_url(url, max_connections=max_waiters)
+        # from_pool: closing the client closes its pool
+        return cls(Redis.from_pool(commands), pubsub_redis=Redis.from_pool(waits), **kwargs)
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         await self.redis.aclose()
+        if self.pubsub_redis is not self.redis:
+            await self.pubsub_redis.aclose()
 
     async def __aenter__(self) -> AsyncPrefillClient:
         return self
@@ -160,7 +182,7 @@ class AsyncPrefillClient:
         when `timeout` seconds pass before a terminal state.
         """
         deadline = protocol.watch_deadline(timeout)
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(keys.events(job_id))
         last = None
         try:

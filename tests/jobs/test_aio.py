@@ -163,3 +163,99 @@ async def test_waiting_sends_no_busy_reads(aclient, client, connect):
     # reads: on subscribing, on the subscribe confirmation, then one per WATCH_RECHECK_S
     # (1 s) without an event; measured 4 (a busy poll would make thousands)
     assert calls_since(conn, before).get("hgetall", 0) <= 4
+
+
+async def same_error(sync_call, async_call) -> Exception:
+    """Both calls raise the same error type with the same message; returns the async one."""
+    with pytest.raises(Exception) as theirs:
+        sync_call()
+    with pytest.raises(Exception) as ours:
+        await async_call()
+    assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
+    return ours.value
+
+
+@pytest.mark.parametrize(("submit", "error"), [
+    ({}, InvalidRequest),
+    ({"prompt": "a", "tokens": [2, 300]}, InvalidRequest),
+    ({"prompt": "   "}, InvalidRequest),
+    ({"tokens": [2, 300], "top_k": -1}, InvalidRequest),
+    ({"messages": [{"role": "user"}]}, InvalidRequest),
+    ({"tokens": [2, 300], "model": "nope"}, UnknownModel),
+    ({"tokens": [2, 10**6]}, TokenOutOfRange),
+    ({"tokens": [2] * 100_000}, PromptTooLong),
+])
+async def test_bad_submits_raise_the_sync_clients_errors(client, aclient, submit, error):
+    submit = {"model": MODEL, **submit}
+    raised = await same_error(lambda: client.submit(**submit),
+                              lambda: aclient.submit(**submit))
+    assert type(raised) is error
+
+
+async def test_job_errors_equal_the_sync_clients(client, aclient, worker, redis_server):
+    await same_error(lambda: client.status("nope"), lambda: aclient.status("nope"))
+    assert isinstance(await same_error(lambda: client.cancel("nope"),
+                                       lambda: aclient.cancel("nope")), JobNotFound)
+    await same_error(lambda: client.result("nope", 0), lambda: aclient.result("nope", 0))
+    queued_job = await aclient.submit(tokens=ids(20, 5), model=MODEL)
+    assert isinstance(await same_error(lambda: client.result(queued_job, 0),
+                                       lambda: aclient.result(queued_job, 0)), JobTimeout)
+    full = AsyncPrefillClient.from_url(redis_server, max_queue_depth=1)
+    sync_full = PrefillClient(client.redis, max_queue_depth=1)
+    assert isinstance(await same_error(lambda: sync_full.submit(tokens=[2, 300], model=MODEL),
+                                       lambda: full.submit(tokens=[2, 300], model=MODEL)),
+                      QueueFull)
+    await full.aclose()
+    assert (await aclient.cancel(queued_job), await aclient.cancel(queued_job)) == (True, False)
+    assert isinstance(await same_error(lambda: client.result(queued_job, 0),
+                                       lambda: aclient.result(queued_job, 0)), JobCanceled)
+    too_long = await aclient.submit(prompt="word " * 5000, model=MODEL)
+    work(worker)
+    failed = await same_error(lambda: client.result(too_long, 0),
+                              lambda: aclient.result(too_long, 0))
+    assert isinstance(failed, JobFailed) and failed.error_type == "PromptTooLong"
+
+
+async def test_an_idempotent_resubmit_returns_the_first_job(aclient, connect):
+    first = await aclient.submit(tokens=ids(20, 6), model=MODEL, idempotency_key="k")
+    again = await aclient.submit(tokens=ids(20, 6), model=MODEL, idempotency_key="k")
+    assert first == again
+    assert queued(connect(), intake_queue(connect(), MODEL)) == [first]
+
+
+async def test_a_session_job_is_routed_to_its_holder_like_the_sync_ones(
+    client, aclient, worker, connect, tiny
+):
+    history = ids(200, 7)
+    client.submit(tokens=history, model=MODEL, top_k=3, session="chat")
+    work(worker)
+    worker.register_models()  # alive again (a burst run ends by deregistering)
+    assert await aclient.session_holder("chat") == client.session_holder("chat") == "w1"
+    assert await aclient.session_holder("other") is None
+    follow = history + ids(41, 8)[1:]
+    routed = await aclient.submit(tokens=follow, model=MODEL, top_k=3, session="chat")
+    cold = await aclient.submit(tokens=ids(30, 9), model=MODEL, top_k=3, session="other")
+    conn = connect()
+    assert queued(conn, sticky_queue(conn, "w1")) == [routed]
+    assert queued(conn, intake_queue(conn, MODEL)) == [cold]
+    work(worker)
+    result = await aclient.result(routed, timeout=0)
+    assert (result.cached_tokens, result.reuse) == (200, "live")  # the slot was reused
+    assert_logits_match(result, tiny, follow)
+    assert (await aclient.result(cold, timeout=0)).reuse == "cold"
+
+
+async def test_200_concurrent_submits_from_one_loop_land_and_finish(aclient, worker, connect):
+    n = 200  # over the client's 64 command connections and redis.asyncio's default 100
+    prompts = [ids(3, 100 + i) for i in range(n)]
+    jobs = await asyncio.gather(*(aclient.submit(tokens=p, model=MODEL, top_k=1)
+                                  for p in prompts))
+    conn = connect()
+    assert len(set(jobs)) == n
+    assert sorted(queued(conn, intake_queue(conn, MODEL))) == sorted(jobs)
+    states = await asyncio.gather(*(aclient.status(j) for j in jobs))
+    assert {s.state for s in states} == {JobState.QUEUED}
+    work(worker)
+    results = await asyncio.gather(*(aclient.result(j, timeout=0) for j in jobs))
+    assert [r.n_tokens for r in results] == [3] * n
+    assert len(intake_queue(conn, MODEL)) == 0
