@@ -4,8 +4,11 @@
     client = PrefillClient.from_url("redis://localhost:6379/0")
     job_id = client.submit(prompt="The capital of France is", model="gemma3-270m")
     print(client.result(job_id, timeout=60).top_k[0].piece)
+
+`AsyncPrefillClient` is its asyncio twin (redis.asyncio): the same methods, awaited.
 """
 
+from .aio import AsyncPrefillClient
 from .client import PrefillClient
 from .errors import (
     EmptyPrompt,
@@ -23,6 +26,7 @@ from .errors import (
 from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
 
 __all__ = [
+    "AsyncPrefillClient",
     "EmptyPrompt",
     "PromptTooLong",
     "InvalidRequest",

@@ -6,14 +6,12 @@ Imports redis, rq and msgpack only, so a web backend never pulls MLX.
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from redis import Redis
 
-from . import keys
+from . import keys, protocol
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_QUEUE_DEPTH,
@@ -23,16 +21,10 @@ from .defaults import (
     DEFAULT_TOP_K,
     REDIS_URL_ENV,
 )
-from .errors import JobCanceled, JobFailed, JobNotFound, JobTimeout, QueueFull, UnknownModel
 from .queues import enqueue_new, intake_depth
-from .record import JobRecord
-from .requests import ModelInfo, check_against_model, new_record
-from .schema import JobState, JobStatus, LogitsMode, PrefillResult, now
+from .requests import ModelInfo, check_against_model
+from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
-from .serializer import unpackb
-
-# `watch` re-reads the job at least this often (seconds), in case a pub/sub message was lost.
-WATCH_RECHECK_S = 1.0
 
 
 def redis_url(url: str | None = None) -> str:
@@ -71,18 +63,13 @@ class PrefillClient:
 
     def models(self) -> dict[str, ModelInfo]:
         """Models registered by workers, by name."""
-        out = {}
-        for name, blob in self.redis.hgetall(keys.MODELS).items():
-            info = unpackb(blob)
-            out[name.decode()] = ModelInfo(name=name.decode(), **info)
-        return out
+        return protocol.models_of(self.redis.hgetall(keys.MODELS))
 
     def _model(self, name: str) -> ModelInfo:
         blob = self.redis.hget(keys.MODELS, name)
         if blob is None:
-            known = ", ".join(sorted(self.models())) or "none"
-            raise UnknownModel(f"no registered worker serves model {name!r} (registered: {known})")
-        return ModelInfo(name=name, **unpackb(blob))
+            raise protocol.unknown_model(name, self.models())
+        return protocol.model_info(name, blob)
 
     # -- submit ------------------------------------------------------------------------
 
@@ -123,16 +110,15 @@ class PrefillClient:
             TokenOutOfRange: a token id outside the model's vocabulary.
             QueueFull: the model's intake queue is at `max_queue_depth`.
         """
-        record = new_record(
-            uuid.uuid4().hex, prompt=prompt, tokens=tokens, messages=messages,
+        record = protocol.submitted_record(
+            prompt=prompt, tokens=tokens, messages=messages,
             add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
             logits=logits, parse_special=parse_special, session=session, priority=priority,
             chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
-            max_attempts=max_attempts, enqueued_at=now(),
+            max_attempts=max_attempts,
         )
         check_against_model(record, self._model(model))
-        if intake_depth(self.redis, model) >= self.max_queue_depth:
-            raise QueueFull(f"intake queues of {model} hold {self.max_queue_depth} jobs")
+        protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
         if idempotency_key is not None:
             claim = keys.idempotency(idempotency_key)
             if not self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
@@ -149,18 +135,14 @@ class PrefillClient:
         """The live worker that keeps `session`'s slot (its next job is routed there), or
         None: no worker has kept it, or that worker's heartbeat has expired."""
         holder = self.redis.get(keys.session_holder(session))
-        if holder is None or not self.redis.exists(keys.worker_heartbeat(holder.decode())):
-            return None
-        return holder.decode()
+        alive = holder is not None and self.redis.exists(keys.worker_heartbeat(holder.decode()))
+        return protocol.live_holder(holder, bool(alive))
 
     # -- status, cancel, result ----------------------------------------------------------
 
     def status(self, job_id: str) -> JobStatus:
         """The job's status. Raises JobNotFound."""
-        raw = self.redis.hgetall(keys.job(job_id))
-        if not raw:
-            raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)")
-        return JobRecord.from_hash(job_id, raw).status()
+        return protocol.status_of(job_id, self.redis.hgetall(keys.job(job_id)))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job; idempotent. True if this call changed anything.
@@ -170,12 +152,9 @@ class PrefillClient:
         Raises JobNotFound.
         """
         outcome = self._scripts.cancel(
-            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-            args=[now(), self.result_ttl_s],
-        ).decode()
-        if outcome == "missing":
-            raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)")
-        return outcome in ("canceled", "requested")
+            keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
+        )
+        return protocol.cancel_changed(job_id, outcome)
 
     def watch(self, job_id: str, timeout: float | None = None) -> Iterator[JobStatus]:
         """Yield the job's status now and after every change until it is terminal.
@@ -183,7 +162,7 @@ class PrefillClient:
         Blocks on the job's pub/sub channel (no polling). Raises JobNotFound, and
         JobTimeout when `timeout` seconds pass before a terminal state.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = protocol.watch_deadline(timeout)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(keys.events(job_id))
         last = None
@@ -195,10 +174,7 @@ class PrefillClient:
                     last = status
                 if status.state.is_terminal:
                     return
-                left = WATCH_RECHECK_S if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise JobTimeout(f"job {job_id} is still {status.state.value}")
-                pubsub.get_message(timeout=min(left, WATCH_RECHECK_S))
+                pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
         finally:
             pubsub.close()
 
@@ -214,9 +190,6 @@ class PrefillClient:
         for status in self.watch(job_id, timeout):
             if status.state.is_terminal:
                 break
-        if status.state == JobState.FAILED:
-            raise JobFailed(job_id, status.error["type"], status.error["message"])
-        if status.state == JobState.CANCELED:
-            raise JobCanceled(f"job {job_id} was canceled at cursor {status.cursor}")
+        protocol.check_finished(job_id, status)
         blob = self.redis.hget(keys.job(job_id), "result")
-        return PrefillResult.from_blob(job_id, blob, self.redis.get(keys.logits(job_id)))
+        return protocol.result_of(job_id, blob, self.redis.get(keys.logits(job_id)))

@@ -10,9 +10,12 @@ worker starts the job, runs its first chunk, and runs the rest in its own loop.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 
 from redis import Redis
 from rq import Queue
+from rq.job import Job, JobStatus
+from rq.utils import now as rq_now
 
 from . import keys
 from .defaults import DEFAULT_RESULT_TTL_S
@@ -20,6 +23,11 @@ from .serializer import MsgpackSerializer
 
 # The allow-listed job function a worker runs: one bounded chunk of one job.
 CHUNK_FUNCTION = "worker.tasks.advance_prefill"
+
+# RQ options of every admitting execution: it never times out inside RQ (it runs one chunk,
+# bounded by its token count, and an exception thrown into MLX work would leave the cache
+# half written) and keeps no result (ours is in the job's record).
+CHUNK_OPTIONS = {"timeout": -1, "result_ttl": 0, "failure_ttl": DEFAULT_RESULT_TTL_S}
 
 
 def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
@@ -36,8 +44,22 @@ def sticky_queue(redis: Redis, worker: str) -> Queue:
 
 def intake_priorities(redis: Redis, model: str) -> list[int]:
     """Priorities that have an intake queue for `model`, highest first (0 always)."""
-    levels = {0} | {int(p) for p in redis.smembers(keys.priorities(model))}
-    return sorted(levels, reverse=True)
+    return intake_levels(redis.smembers(keys.priorities(model)))
+
+
+def intake_levels(members: Iterable[bytes | int]) -> list[int]:
+    """Decode SMEMBERS ``keys.priorities(model)``: the priorities, highest first (0 always)."""
+    return sorted({0} | {int(p) for p in members}, reverse=True)
+
+
+def rq_queue_key(name: str) -> str:
+    """The Redis list RQ keeps queue `name` in (its LLEN is the queue's length)."""
+    return Queue.redis_queue_namespace_prefix + name
+
+
+def new_queue_name(model: str, priority: int, worker: str | None) -> str:
+    """The queue a new job enters: `model`'s intake at `priority`, or `worker`'s own queue."""
+    return keys.intake_queue(model, priority) if worker is None else keys.sticky_queue(worker)
 
 
 def intake_depth(redis: Redis, model: str) -> int:
@@ -46,22 +68,49 @@ def intake_depth(redis: Redis, model: str) -> int:
 
 
 def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
-    """Put the admitting execution of `job_id` on `queue` (an RQ job with a fresh id).
-
-    It never times out inside RQ: it runs one chunk, bounded by its token count, and an
-    exception thrown into MLX work would leave the cache half written.
-    """
-    queue.enqueue_call(  # the RQ job id is the prefillq job id + "-" + 12 hex (`job_id_of`)
+    """Put the admitting execution of `job_id` on `queue` (an RQ job with a fresh id and
+    `CHUNK_OPTIONS`)."""
+    queue.enqueue_call(
         CHUNK_FUNCTION,
         args=(job_id,),
-        job_id=f"{job_id}-{uuid.uuid4().hex[:12]}",
-        timeout=-1,
-        result_ttl=0,
-        failure_ttl=DEFAULT_RESULT_TTL_S,
-        description=f"prefill chunk of {job_id}",
+        job_id=chunk_job_id(job_id),
+        description=chunk_description(job_id),
         pipeline=pipeline,
         at_front=at_front,
+        **CHUNK_OPTIONS,
     )
+
+
+def chunk_job_id(job_id: str) -> str:
+    """A fresh RQ job id for an execution of `job_id`: its id + "-" + 12 hex (`job_id_of`)."""
+    return f"{job_id}-{uuid.uuid4().hex[:12]}"
+
+
+def chunk_description(job_id: str) -> str:
+    return f"prefill chunk of {job_id}"
+
+
+def push_new_chunk(pipeline, connection, queue_name: str, job_id: str) -> str:
+    """Queue, on `pipeline`, the writes `enqueue_chunk` makes through RQ for a new job, with
+    no Redis I/O of its own; returns the RQ job id.
+
+    For a pipeline RQ cannot drive (redis.asyncio's: rq has no asyncio API). RQ's own `Job`
+    builds the job hash (msgpack serializer, `CHUNK_OPTIONS`), and the writes are the ones
+    ``Queue.enqueue_job`` makes for a job without dependencies: SADD ``rq:queues``, HSET the
+    hash (its ``status`` queued), RPUSH the id. `connection` is only held by the `Job`
+    object (RQ requires one); nothing is sent through it.
+    """
+    job = Job.create(
+        CHUNK_FUNCTION, args=(job_id,), connection=connection, id=chunk_job_id(job_id),
+        description=chunk_description(job_id), origin=queue_name, status=JobStatus.QUEUED,
+        serializer=MsgpackSerializer, **CHUNK_OPTIONS,
+    )
+    job.enqueued_at = rq_now()
+    queue_key = rq_queue_key(queue_name)
+    pipeline.sadd(Queue.redis_queues_keys, queue_key)
+    pipeline.hset(job.key, mapping=job.to_dict())
+    pipeline.rpush(queue_key, job.id)
+    return job.id
 
 
 def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, *,
@@ -70,8 +119,17 @@ def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, 
     `worker`'s own queue when it is routed there (a session's next job goes to the worker
     that keeps the session's slot)."""
     pipeline.sadd(keys.priorities(model), int(priority))
-    queue = intake_queue(redis, model, priority) if worker is None else sticky_queue(redis, worker)
+    queue = Queue(new_queue_name(model, priority, worker), connection=redis,
+                  serializer=MsgpackSerializer)
     enqueue_chunk(queue, job_id, pipeline=pipeline)
+
+
+def push_new(pipeline, connection, job_id: str, model: str, priority: int, *,
+             worker: str | None = None) -> None:
+    """`enqueue_new`'s writes, queued on any pipeline (redis.asyncio's too) by
+    `push_new_chunk`, with no Redis I/O of their own."""
+    pipeline.sadd(keys.priorities(model), int(priority))
+    push_new_chunk(pipeline, connection, new_queue_name(model, priority, worker), job_id)
 
 
 def job_id_of(rq_job_id: str) -> str:

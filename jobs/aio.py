@@ -1,0 +1,216 @@
+"""`AsyncPrefillClient`: `PrefillClient` on redis.asyncio, for asynchronous web backends.
+
+The same methods, arguments, results and typed errors as the sync client (both build and
+decode through `jobs.protocol`); every call awaits Redis instead of blocking the event
+loop. Imports redis, rq and msgpack only, never MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+
+from . import keys, protocol
+from .client import redis_url
+from .defaults import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_QUEUE_DEPTH,
+    DEFAULT_MODEL,
+    DEFAULT_RESULT_TTL_S,
+    DEFAULT_TOP_K,
+)
+from .queues import intake_levels, push_new, rq_queue_key
+from .requests import ModelInfo, check_against_model
+from .schema import JobStatus, LogitsMode, PrefillResult
+from .scripts import CANCEL
+
+# Connections `from_url` opens for commands; beyond them a call waits for a free one
+# (redis.asyncio's plain pool raises MaxConnectionsError at 100 concurrent calls).
+DEFAULT_MAX_CONNECTIONS = 64
+# Connections for pub/sub: a waiting `watch` or `result` holds one for as long as it waits,
+# so they come from their own pool and can never starve the commands the waits need.
+DEFAULT_MAX_WAITERS = 10_000
+
+
+class AsyncPrefillClient:
+    """Asyncio client of the prefill queue (see `PrefillClient` for the semantics).
+
+    Args:
+        redis: a redis.asyncio connection (``decode_responses`` must be False).
+        pubsub_redis: the connection `watch` subscribes on (default `redis`); give it its
+            own pool when many waits run at once (`from_url` does).
+        max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
+        result_ttl_s: lifetime of the record of a job canceled before it started (workers
+            set it for the jobs they end; keep the two equal).
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        pubsub_redis: Redis | None = None,
+        max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH,
+        result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+    ):
+        self.redis = redis
+        self.pubsub_redis = redis if pubsub_redis is None else pubsub_redis
+        self.max_queue_depth = max_queue_depth
+        self.result_ttl_s = result_ttl_s
+        self._cancel = redis.register_script(CANCEL)
+
+    @classmethod
+    def from_url(cls, url: str | None = None, *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_waiters: int = DEFAULT_MAX_WAITERS, **kwargs: Any) -> AsyncPrefillClient:
+        """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``
+        (connections open on first use): up to `max_connections` for commands (more
+        concurrent calls wait for one) and `max_waiters` for concurrent `watch`/`result`
+        waits (one more raises redis's MaxConnectionsError)."""
+        url = redis_url(url)
+        commands = BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                   timeout=None)
+        waits = ConnectionPool.from_url(url, max_connections=max_waiters)
+        # from_pool: closing the client closes its pool
+        return cls(Redis.from_pool(commands), pubsub_redis=Redis.from_pool(waits), **kwargs)
+
+    async def aclose(self) -> None:
+        """Close the connection pools."""
+        await self.redis.aclose()
+        if self.pubsub_redis is not self.redis:
+            await self.pubsub_redis.aclose()
+
+    async def __aenter__(self) -> AsyncPrefillClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- models ------------------------------------------------------------------------
+
+    async def models(self) -> dict[str, ModelInfo]:
+        """Models registered by workers, by name."""
+        return protocol.models_of(await self.redis.hgetall(keys.MODELS))
+
+    async def _model(self, name: str) -> ModelInfo:
+        blob = await self.redis.hget(keys.MODELS, name)
+        if blob is None:
+            raise protocol.unknown_model(name, await self.models())
+        return protocol.model_info(name, blob)
+
+    async def _intake_depth(self, model: str) -> int:
+        levels = intake_levels(await self.redis.smembers(keys.priorities(model)))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for priority in levels:
+                pipe.llen(rq_queue_key(keys.intake_queue(model, priority)))
+            return sum(await pipe.execute())
+
+    # -- submit ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        tokens: Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        model: str = DEFAULT_MODEL,
+        top_k: int = DEFAULT_TOP_K,
+        logits: str | LogitsMode = LogitsMode.TOP_K,
+        parse_special: bool = True,
+        session: str | None = None,
+        priority: int = 0,
+        chunk_tokens: int | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> str:
+        """Enqueue a prefill; returns the job id. Arguments and errors as
+        `PrefillClient.submit` (InvalidRequest and its subclasses PromptTooLong,
+        UnknownModel, TokenOutOfRange; QueueFull).
+
+        The record, the RQ job hash and its queue push land in one MULTI, as the sync
+        client's; RQ's hash is built by `jobs.queues.push_new` without blocking the loop.
+        """
+        record = protocol.submitted_record(
+            prompt=prompt, tokens=tokens, messages=messages,
+            add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
+            logits=logits, parse_special=parse_special, session=session, priority=priority,
+            chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
+            max_attempts=max_attempts,
+        )
+        check_against_model(record, await self._model(model))
+        protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
+        if idempotency_key is not None:
+            claim = keys.idempotency(idempotency_key)
+            if not await self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
+                return (await self.redis.get(claim)).decode()
+        worker = await self.session_holder(session) if session else None
+        async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
+            pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
+            push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+            await pipe.execute()
+        return record.job_id
+
+    async def session_holder(self, session: str) -> str | None:
+        """The live worker that keeps `session`'s slot (its next job is routed there), or
+        None: no worker has kept it, or that worker's heartbeat has expired."""
+        holder = await self.redis.get(keys.session_holder(session))
+        alive = holder is not None and await self.redis.exists(
+            keys.worker_heartbeat(holder.decode()))
+        return protocol.live_holder(holder, bool(alive))
+
+    # -- status, cancel, result ----------------------------------------------------------
+
+    async def status(self, job_id: str) -> JobStatus:
+        """The job's status. Raises JobNotFound."""
+        return protocol.status_of(job_id, await self.redis.hgetall(keys.job(job_id)))
+
+    async def cancel(self, job_id: str) -> bool:
+        """Cancel a job; idempotent. True if this call changed anything (see
+        `PrefillClient.cancel`). Raises JobNotFound."""
+        outcome = await self._cancel(
+            keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
+        )
+        return protocol.cancel_changed(job_id, outcome)
+
+    async def watch(self, job_id: str, timeout: float | None = None) -> AsyncIterator[JobStatus]:
+        """Yield the job's status now and after every change until it is terminal.
+
+        Awaits the job's pub/sub channel (no polling). Raises JobNotFound, and JobTimeout
+        when `timeout` seconds pass before a terminal state.
+        """
+        deadline = protocol.watch_deadline(timeout)
+        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(keys.events(job_id))
+        last = None
+        try:
+            while True:
+                status = await self.status(job_id)  # read after subscribing: no missed event
+                if status != last:
+                    yield status
+                    last = status
+                if status.state.is_terminal:
+                    return
+                wait = protocol.watch_wait(job_id, status, deadline)
+                await pubsub.get_message(timeout=wait)
+        finally:
+            await pubsub.aclose()
+
+    async def result(self, job_id: str, timeout: float | None = None) -> PrefillResult:
+        """Wait up to `timeout` seconds for the job to finish and return its result.
+
+        Raises:
+            JobFailed: the job failed (``error_type``, ``message``).
+            JobCanceled: the job was canceled.
+            JobTimeout: not terminal within `timeout`.
+            JobNotFound: no such job.
+        """
+        async with aclosing(self.watch(job_id, timeout)) as statuses:  # unsubscribes at once
+            async for status in statuses:
+                if status.state.is_terminal:
+                    break
+        protocol.check_finished(job_id, status)
+        blob = await self.redis.hget(keys.job(job_id), "result")
+        return protocol.result_of(job_id, blob, await self.redis.get(keys.logits(job_id)))

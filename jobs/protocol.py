@@ -1,0 +1,124 @@
+"""What every client of the queue does the same way, whatever its Redis I/O: the pieces
+`PrefillClient` (redis) and `AsyncPrefillClient` (redis.asyncio) share.
+
+Each function is pure (no Redis calls): it builds what a client sends (a new record, the
+keys and arguments of a script) or decodes what Redis replied, and raises the typed errors.
+The clients only do the I/O around them, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+
+from . import keys
+from .errors import JobCanceled, JobFailed, JobNotFound, JobTimeout, QueueFull, UnknownModel
+from .record import JobRecord
+from .requests import ModelInfo, new_record
+from .schema import JobState, JobStatus, PrefillResult, now
+from .serializer import unpackb
+
+# `watch` re-reads the job at least this often (seconds), in case a pub/sub message was lost.
+WATCH_RECHECK_S = 1.0
+
+
+def submitted_record(**submit) -> JobRecord:
+    """A new job's queued record under a fresh id, from `submit`'s keywords (checked by
+    `jobs.requests.new_record`, whose errors it raises)."""
+    return new_record(uuid.uuid4().hex, enqueued_at=now(), **submit)
+
+
+def model_info(name: str, blob: bytes) -> ModelInfo:
+    """Decode one ``keys.MODELS`` entry (msgpack) of model `name`."""
+    return ModelInfo(name=name, **unpackb(blob))
+
+
+def models_of(raw: Mapping[bytes, bytes]) -> dict[str, ModelInfo]:
+    """Decode HGETALL ``keys.MODELS``: the registered models by name."""
+    return {name.decode(): model_info(name.decode(), blob) for name, blob in raw.items()}
+
+
+def unknown_model(name: str, registered: Mapping[str, ModelInfo]) -> UnknownModel:
+    """The error for a submit to `name`, which no worker in `registered` serves."""
+    known = ", ".join(sorted(registered)) or "none"
+    return UnknownModel(f"no registered worker serves model {name!r} (registered: {known})")
+
+
+def check_depth(model: str, depth: int, max_queue_depth: int) -> None:
+    """Raises QueueFull when `model`'s intake queues hold `max_queue_depth` jobs or more."""
+    if depth >= max_queue_depth:
+        raise QueueFull(f"intake queues of {model} hold {max_queue_depth} jobs")
+
+
+def not_found(job_id: str) -> JobNotFound:
+    return JobNotFound(f"no job {job_id!r} (never submitted, or expired)")
+
+
+def status_of(job_id: str, raw: Mapping[bytes, bytes]) -> JobStatus:
+    """Decode HGETALL of the job's record. Raises JobNotFound on an empty reply."""
+    if not raw:
+        raise not_found(job_id)
+    return JobRecord.from_hash(job_id, dict(raw)).status()
+
+
+def cancel_keys(job_id: str) -> list[str]:
+    """KEYS of ``scripts.CANCEL`` for `job_id`."""
+    return [keys.job(job_id), keys.cancel(job_id), keys.events(job_id)]
+
+
+def cancel_args(result_ttl_s: int) -> list[float | int]:
+    """ARGV of ``scripts.CANCEL``: now, and the TTL (s) of a record canceled while queued."""
+    return [now(), result_ttl_s]
+
+
+def cancel_changed(job_id: str, outcome: bytes) -> bool:
+    """Decode ``scripts.CANCEL``'s reply: True if the cancel changed anything.
+
+    Raises:
+        JobNotFound: no such job.
+    """
+    outcome = outcome.decode()
+    if outcome == "missing":
+        raise not_found(job_id)
+    return outcome in ("canceled", "requested")
+
+
+def live_holder(holder: bytes | None, alive: bool) -> str | None:
+    """The session holder GET replied (`holder`) if its heartbeat key exists (`alive`)."""
+    return holder.decode() if holder is not None and alive else None
+
+
+def watch_deadline(timeout: float | None) -> float | None:
+    """The monotonic time (s) a `watch` of `timeout` seconds ends, or None."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def watch_wait(job_id: str, status: JobStatus, deadline: float | None) -> float:
+    """Seconds `watch` waits for the next event after seeing a non-terminal `status`.
+
+    Raises:
+        JobTimeout: `deadline` has passed.
+    """
+    left = WATCH_RECHECK_S if deadline is None else deadline - time.monotonic()
+    if left <= 0:
+        raise JobTimeout(f"job {job_id} is still {status.state.value}")
+    return min(left, WATCH_RECHECK_S)
+
+
+def check_finished(job_id: str, status: JobStatus) -> None:
+    """Raise unless the terminal `status` is ``finished``.
+
+    Raises:
+        JobFailed: the job failed (``error_type``, ``message``).
+        JobCanceled: the job was canceled.
+    """
+    if status.state == JobState.FAILED:
+        raise JobFailed(job_id, status.error["type"], status.error["message"])
+    if status.state == JobState.CANCELED:
+        raise JobCanceled(f"job {job_id} was canceled at cursor {status.cursor}")
+
+
+def result_of(job_id: str, blob: bytes, logits: bytes | None) -> PrefillResult:
+    """Decode a finished job's ``result`` field and its logits key (or None)."""
+    return PrefillResult.from_blob(job_id, blob, logits)
