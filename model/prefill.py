@@ -2,7 +2,9 @@
 
 mlx-lm's prefill loop (slice, forward, ``mx.eval`` the cache, report progress) turned inside
 out so a queue can run one chunk per call, interleave jobs between calls and stop a job at
-any chunk boundary. Logits are computed once, for the last position, after the last chunk.
+any chunk boundary. Logits are computed once, for the last position, after the last chunk
+(a job that asks for prompt log-probabilities also runs the head on every position of each
+chunk: `model.logprobs`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -19,13 +21,17 @@ from .cache_state import CacheState, dtype_name
 from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
 
+if TYPE_CHECKING:
+    from .logprobs import PromptLogprobs
+
 
 class PrefillModel(Protocol):
     """What an architecture module's ``Model`` provides to the prefill loop."""
 
     sliding_window: int
 
-    def __call__(self, inputs: mx.array, cache: ModelCache) -> mx.array: ...
+    def __call__(self, inputs: mx.array, cache: ModelCache,
+                 every_position: bool = ...) -> mx.array: ...
 
     def logits(self, hidden: mx.array) -> mx.array: ...
 
@@ -49,32 +55,45 @@ def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[in
         CachePoisoned: the cache was poisoned earlier. Anything the forward pass raises,
         after poisoning the cache (rows past its position may be half written).
     """
-    return finish_chunk(cache, launch_chunk(model, cache, token_ids), len(token_ids))
+    hidden, _ = launch_chunk(model, cache, token_ids)
+    return finish_chunk(cache, hidden, len(token_ids))
 
 
-def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
+def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int],
+                 logprobs: PromptLogprobs | None = None) -> tuple[mx.array, tuple]:
     """Build the forward pass of `token_ids` at ``cache.position`` and start evaluating it
     (``mx.async_eval``) without waiting; `finish_chunk` waits and commits. Nothing else may
     touch `cache` in between.
 
+    Args:
+        logprobs: a job's prompt log-probabilities: the head also runs on every position.
     Returns:
-        float ``(1, hidden)``: the last position's final hidden state (being evaluated).
+        float ``(1, hidden)``: the last position's final hidden state, and the lazy
+        ``logprobs.launch`` outputs (empty without `logprobs`), both being evaluated.
     Raises:
         CachePoisoned: the cache was poisoned earlier. Anything building the graph raises,
         after poisoning the cache.
     """
     cache.check_chunk(len(token_ids))
+    start = cache.position
     try:
-        hidden = model(mx.array(token_ids, dtype=mx.int32)[None], cache)
-        mx.async_eval(hidden, cache.arrays())
+        inputs = mx.array(token_ids, dtype=mx.int32)[None]
+        if logprobs is None:
+            hidden, head = model(inputs, cache), ()
+        else:
+            every = model(inputs, cache, every_position=True)  # (1, L, hidden)
+            hidden, head = every[:, -1], logprobs.launch(model, every, start)
+        mx.async_eval(hidden, *head, cache.arrays())
     except BaseException:
         cache.poison()
         raise
-    return hidden
+    return hidden, head
 
 
-def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int) -> mx.array:
-    """Wait for a `launch_chunk` of `n_tokens` tokens, then commit them.
+def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
+                 head: tuple = ()) -> mx.array:
+    """Wait for a `launch_chunk` of `n_tokens` tokens (and its `head` outputs), then commit
+    them.
 
     Returns:
         `hidden`, evaluated.
@@ -82,7 +101,7 @@ def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int) -> mx.array
         Anything the forward pass raises, after poisoning the cache.
     """
     try:
-        mx.eval(hidden, cache.arrays())
+        mx.eval(hidden, *head, cache.arrays())
     except BaseException:
         cache.poison()
         raise
@@ -136,6 +155,7 @@ class Prefill:
     reuse: str = "cold"  # how they were reused (`model.session`)
     resumed_from: int | None = None  # the cursor a KV checkpoint restored (a restart)
     last_chunk_seconds: float = 0.0  # wall time of the last chunk, from its launch or step
+    logprobs: PromptLogprobs | None = None  # prompt log-probabilities, for jobs that ask
     _hidden: mx.array | None = field(default=None, repr=False)
     _launched: tuple | Exception | None = field(default=None, repr=False)
 
@@ -174,9 +194,11 @@ class Prefill:
             raise launched
         if launched is None:
             launched = self._launch()
-        start, end, hidden, build_seconds, began = launched
+        start, end, (hidden, head), build_seconds, began = launched
         t0 = time.perf_counter()
-        self._hidden = finish_chunk(self.cache, hidden, end - start)
+        self._hidden = finish_chunk(self.cache, hidden, end - start, head)
+        if self.logprobs is not None:
+            self.logprobs.record(start, head)
         done = time.perf_counter()
         self.compute_seconds += build_seconds + done - t0
         self.last_chunk_seconds = done - began
@@ -199,11 +221,11 @@ class Prefill:
         except Exception as error:  # raised where the chunk's outcome is handled
             self._launched = error
 
-    def _launch(self) -> tuple[int, int, mx.array, float, float]:
+    def _launch(self) -> tuple[int, int, tuple, float, float]:
         start, end = self.plan.next_chunk(self.cursor)
         t0 = time.perf_counter()
-        hidden = launch_chunk(self.model, self.cache, self.token_ids[start:end])
-        return start, end, hidden, time.perf_counter() - t0, t0
+        out = launch_chunk(self.model, self.cache, self.token_ids[start:end], self.logprobs)
+        return start, end, out, time.perf_counter() - t0, t0
 
     def run(self) -> np.ndarray:
         """Run every remaining chunk and return the final logits."""
@@ -212,19 +234,24 @@ class Prefill:
         return self.logits()
 
     def logits(self) -> np.ndarray:
-        """Final-position logits, float32 ``(vocab,)``.
+        """Final-position logits, float32 ``(vocab,)``; they also complete ``logprobs``
+        (its entry n: `PromptLogprobs.finish`).
 
         Raises:
             RuntimeError: the prefill is not done.
         """
         if not self.done or self._hidden is None:
             raise RuntimeError(f"prefill at {self.cursor}/{self.n_tokens} has no logits yet")
-        logits = self.model.logits(self._hidden).astype(mx.float32)
-        return np.array(logits[0])
+        logits = np.array(self.model.logits(self._hidden).astype(mx.float32)[0])
+        if self.logprobs is not None and self.logprobs.filled < self.n_tokens:
+            self.logprobs.finish(logits)
+        return logits
 
     def reset(self) -> None:
         """Back to cursor 0 (after a failed chunk poisoned the cache)."""
         self.cache.reset()
+        if self.logprobs is not None:
+            self.logprobs.reset()
         self.chunks_done = 0
         self._hidden = None
         self._launched = None
@@ -255,6 +282,7 @@ def start_prefill(
     chunk_tokens: int | None = None,
     kv_dtype: mx.Dtype = mx.float32,
     plan: ChunkPlan | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Prefill:
     """Plan the chunks of a cold prefill of `token_ids` and allocate its cache.
 
@@ -268,6 +296,8 @@ def start_prefill(
         chunk_tokens: exact chunk size, or None for the window-aligned default.
         plan: chunks decided earlier (e.g. recorded on a job); overrides `chunk_tokens`.
             It must start at 0 and end at ``len(token_ids)``.
+        prompt_logprobs: K, to keep every position's logprob and top K
+            (`model.logprobs.PromptLogprobs`, as ``Prefill.logprobs``); None: off.
     Raises:
         ValueError: no ids, an id outside the vocabulary, more ids than `context_length`,
             or a `plan` for another prompt length or start.
@@ -279,7 +309,12 @@ def start_prefill(
         raise ValueError(f"a plan for {plan.n_tokens} tokens from {plan.start} does not fit a "
                          f"cold prefill of {len(ids)} tokens")
     cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
-    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache)
+    logprobs = None
+    if prompt_logprobs is not None:
+        from .logprobs import PromptLogprobs  # it imports this module
+
+        logprobs = PromptLogprobs(ids, prompt_logprobs, vocab_size)
+    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs)
 
 
 def resume_prefill(

@@ -127,7 +127,8 @@ class LoadedModel:
         return self.model.sliding_window
 
     def start_prefill(self, token_ids: Sequence[int], chunk_tokens: int | None = None,
-                      plan: ChunkPlan | None = None) -> Prefill:
+                      plan: ChunkPlan | None = None,
+                      prompt_logprobs: int | None = None) -> Prefill:
         """Plan (or take `plan`) and allocate a cold prefill of `token_ids` on this model's
         serving limits and dtype (see `model.prefill.start_prefill`)."""
         return start_prefill(
@@ -138,6 +139,7 @@ class LoadedModel:
             chunk_tokens=chunk_tokens,
             kv_dtype=self.dtype,
             plan=plan,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def resume_prefill(self, token_ids: Sequence[int], plan: ChunkPlan,

@@ -248,7 +248,8 @@ class Model(nn.Module):
 
     ``model(inputs, cache)`` runs one chunk and returns the hidden state of its last
     position; ``model.logits(hidden)`` applies the tied output head. Running the head on
-    the last position only matters: at 262,144 x 640 it is the largest matmul per token.
+    the last position only matters: at 262,144 x 640 it is the largest matmul per token
+    (``every_position=True`` keeps every position, for prompt log-probabilities only).
     """
 
     def __init__(self, args: ModelArgs):
@@ -262,20 +263,23 @@ class Model(nn.Module):
     def sliding_window(self) -> int:
         return self.args.sliding_window
 
-    def __call__(self, inputs: mx.array, cache: ModelCache) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: ModelCache,
+                 every_position: bool = False) -> mx.array:
         """Run one chunk at ``cache.position`` without committing it.
 
         Args:
             inputs: token ids, int32 ``(B, L)``.
             cache: the job's cache; layers write rows ``[position, position + L)``.
+            every_position: return every position's hidden state, not the last one's.
         Returns:
-            float ``(B, hidden)``: the final-normed hidden state of the last position.
+            float ``(B, hidden)``: the final-normed hidden state of the last position, or
+            ``(B, L, hidden)`` of every position with `every_position`.
         """
         h = self.token_embd(inputs)
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         for layer, block in enumerate(self.blk):
             h = block(h, cache[layer], cache.position)
-        return self.output_norm(h[:, -1, :])
+        return self.output_norm(h if every_position else h[:, -1, :])
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``(B, hidden)`` -> ``(B, vocab)`` through the tied embedding."""

@@ -307,14 +307,17 @@ class Model(nn.Module):
     def sliding_window(self) -> int:
         return self.args.sliding_window
 
-    def __call__(self, inputs: mx.array, cache: Deepseek4Cache) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Deepseek4Cache,
+                 every_position: bool = False) -> mx.array:
         """Run one chunk at ``cache.position`` without committing it.
 
         Args:
             inputs: token ids, int32 ``(1, L)`` (hash-routed layers need them).
             cache: the job's `Deepseek4Cache`; layers write at ``[position, position + L)``.
+            every_position: return every position's hidden state, not the last one's.
         Returns:
-            float ``(1, hidden)``: the final-normed hidden state of the last position.
+            float ``(1, hidden)``: the final-normed hidden state of the last position, or
+            ``(1, L, hidden)`` of every position with `every_position`.
         """
         B, L = inputs.shape
         a = self.args
@@ -322,7 +325,7 @@ class Model(nn.Module):
         h = mx.broadcast_to(h[:, :, None, :], (B, L, a.hc_mult, a.hidden_size))
         for i, block in enumerate(self.blk):
             h = block(h, inputs, cache[i], cache.position)
-        last = h[:, -1]  # (B, hc, H)
+        last = h if every_position else h[:, -1]  # (B, [L,] hc, H)
         mixes = hc_mixes(last, self.output_hc_fn.weight, a.rms_norm_eps)
         pre = mx.sigmoid(mixes * self.output_hc_scale.weight[0] + self.output_hc_base.weight)
         pre = (pre + a.hc_eps).astype(last.dtype)

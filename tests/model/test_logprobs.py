@@ -1,0 +1,77 @@
+"""Prompt log-probabilities (`model.logprobs`): chunked equals one pass (DESIGN §8)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from model.prefill import top_k
+from tests.exactness import EXACT_RTOL
+
+IDS = [2, *range(260, 330)]  # 71 ids of the tiny Gemma 3's text tokens
+K = 5
+
+
+def one_pass(loaded, ids: list[int]) -> np.ndarray:
+    """float32 ``(n, vocab)`` log-softmax of the head on every position of one forward."""
+    model = loaded.model
+    cache = model.make_cache(loaded.dtype, capacity=len(ids), context_length=len(ids))
+    every = model(mx.array(ids, dtype=mx.int32)[None], cache, every_position=True)
+    logits = model.logits(every[0]).astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def check(loaded, ids, chunk_tokens, bound) -> float:
+    """Assert the contract on every position; returns max |diff| / max |logprob|."""
+    ref = one_pass(loaded, ids)
+    prefill = loaded.start_prefill(ids, chunk_tokens=chunk_tokens, prompt_logprobs=K)
+    logits = prefill.run()
+    lp = prefill.logprobs
+    n = len(ids)
+    assert np.isnan(lp.token_logprob[0]) and np.isnan(lp.token_logprob[n])
+    expected = ref[np.arange(n - 1), ids[1:]]
+    scale = float(np.abs(ref).max())
+    diff = float(np.abs(lp.token_logprob[1:n] - expected).max())
+    top_ref = np.take_along_axis(ref[: n - 1], lp.top_ids[1:n], axis=-1)
+    diff = max(diff, float(np.abs(lp.top_logprobs[1:n] - top_ref).max()))
+    print(f"measured {diff / scale:.3g}")
+    assert diff <= EXACT_RTOL * scale and diff <= bound * scale, diff / scale
+    # the argmax must match wherever top-1 and top-2 are further apart than the tolerance
+    margin = np.diff(np.sort(ref[: n - 1], axis=-1)[:, -2:], axis=-1)[:, 0]
+    clear = margin > 2 * EXACT_RTOL * scale
+    assert clear.mean() >= 0.9, clear.mean()  # so the check covers most positions
+    np.testing.assert_array_equal(lp.top_ids[1:n, 0][clear], ref[: n - 1].argmax(-1)[clear])
+    assert (np.diff(lp.top_logprobs[1:], axis=-1) <= 0).all()  # highest first
+    final = top_k(logits, K)  # the job's top_k result
+    assert lp.top_ids[n].tolist() == [t.id for t in final]
+    # the same values, stored as float32
+    np.testing.assert_array_equal(lp.top_logprobs[n], np.float32([t.logprob for t in final]))
+    np.testing.assert_array_equal(lp.top_ids[n, 0], ref[n - 1].argmax())
+    return diff / scale
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, None])
+def test_tiny_gemma3_chunked_logprobs_equal_one_pass(tiny, chunk_tokens):
+    check(tiny, IDS, chunk_tokens, 1e-6)  # measured <= 2.4e-7 (float32 on CPU)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, None])
+def test_gemma3_270m_chunked_logprobs_equal_one_pass(gemma, chunk_tokens):
+    ids = gemma.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    check(gemma, ids, chunk_tokens, 2e-6)  # measured <= 2.7e-7 (float32 on CPU)
+
+
+def test_one_token_prompt_has_only_the_final_position(tiny):
+    prefill = tiny.start_prefill([2], prompt_logprobs=3)
+    logits = prefill.run()
+    assert prefill.logprobs.filled == 1 and np.isnan(prefill.logprobs.token_logprob).all()
+    assert prefill.logprobs.top_ids[1].tolist() == [t.id for t in top_k(logits, 3)]
+
+
+def test_normal_jobs_keep_no_logprobs(tiny):
+    prefill = tiny.start_prefill(IDS, chunk_tokens=7)
+    np.testing.assert_array_equal(prefill.run(),
+                                  tiny.start_prefill(IDS, chunk_tokens=7,
+                                                     prompt_logprobs=K).run())
+    assert prefill.logprobs is None
