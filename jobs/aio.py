@@ -122,6 +122,7 @@ class AsyncPrefillClient:
         parse_special: bool = True,
         session: str | None = None,
         priority: int = 0,
+        prompt_logprobs: int | None = None,
         chunk_tokens: int | None = None,
         idempotency_key: str | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -138,7 +139,7 @@ class AsyncPrefillClient:
             add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
             logits=logits, parse_special=parse_special, session=session, priority=priority,
             chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
-            max_attempts=max_attempts,
+            max_attempts=max_attempts, prompt_logprobs=prompt_logprobs,
         )
         check_against_model(record, await self._model(model))
         protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
@@ -213,4 +214,6 @@ class AsyncPrefillClient:
                     break
         protocol.check_finished(job_id, status)
         blob = await self.redis.hget(keys.job(job_id), "result")
-        return protocol.result_of(job_id, blob, await self.redis.get(keys.logits(job_id)))
+        logits, logprobs = await self.redis.mget(keys.logits(job_id),
+                                                 keys.prompt_logprobs(job_id))
+        return protocol.result_of(job_id, blob, logits, logprobs)

@@ -86,6 +86,7 @@ class PrefillClient:
         parse_special: bool = True,
         session: str | None = None,
         priority: int = 0,
+        prompt_logprobs: int | None = None,
         chunk_tokens: int | None = None,
         idempotency_key: str | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -104,7 +105,8 @@ class PrefillClient:
         Raises:
             InvalidRequest: no input or two, empty/whitespace prompt, empty token list,
                 malformed messages, bad add_generation_prompt, top_k, logits, chunk_tokens
-                or max_attempts; `PromptTooLong` (a subclass): more token ids than the
+                or max_attempts, a `prompt_logprobs` K outside [0, MAX_TOP_K] or with a
+                `session`; `PromptTooLong` (a subclass): more token ids than the
                 model's context.
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
@@ -115,7 +117,7 @@ class PrefillClient:
             add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
             logits=logits, parse_special=parse_special, session=session, priority=priority,
             chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
-            max_attempts=max_attempts,
+            max_attempts=max_attempts, prompt_logprobs=prompt_logprobs,
         )
         check_against_model(record, self._model(model))
         protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
@@ -192,4 +194,5 @@ class PrefillClient:
                 break
         protocol.check_finished(job_id, status)
         blob = self.redis.hget(keys.job(job_id), "result")
-        return protocol.result_of(job_id, blob, self.redis.get(keys.logits(job_id)))
+        logits, logprobs = self.redis.mget(keys.logits(job_id), keys.prompt_logprobs(job_id))
+        return protocol.result_of(job_id, blob, logits, logprobs)

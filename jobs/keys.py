@@ -14,6 +14,9 @@ JOB = PREFIX + ":{{{job_id}}}:job"
 CANCEL = PREFIX + ":{{{job_id}}}:cancel"
 # Full float32 logits of a finished job, when requested.
 LOGITS = PREFIX + ":{{{job_id}}}:logits"
+# Per-position prompt log-probabilities of a finished job (``prompt_logprobs``), msgpack
+# (`jobs.schema.prompt_logprobs_of`), with the logits' TTL.
+PROMPT_LOGPROBS = PREFIX + ":{{{job_id}}}:prompt-logprobs"
 # Pub/sub channel: one message per chunk and one on the terminal state.
 EVENTS = PREFIX + ":{{{job_id}}}:events"
 # One part of a job's KV checkpoint number `seq` (1, 2, ...): its ``segment`` (append-only
@@ -59,6 +62,10 @@ def cancel(job_id: str) -> str:
 
 def logits(job_id: str) -> str:
     return LOGITS.format(job_id=job_id)
+
+
+def prompt_logprobs(job_id: str) -> str:
+    return PROMPT_LOGPROBS.format(job_id=job_id)
 
 
 def events(job_id: str) -> str:

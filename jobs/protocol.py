@@ -119,6 +119,8 @@ def check_finished(job_id: str, status: JobStatus) -> None:
         raise JobCanceled(f"job {job_id} was canceled at cursor {status.cursor}")
 
 
-def result_of(job_id: str, blob: bytes, logits: bytes | None) -> PrefillResult:
-    """Decode a finished job's ``result`` field and its logits key (or None)."""
-    return PrefillResult.from_blob(job_id, blob, logits)
+def result_of(job_id: str, blob: bytes, logits: bytes | None,
+              prompt_logprobs: bytes | None = None) -> PrefillResult:
+    """Decode a finished job's ``result`` field, its logits key and its prompt logprobs key
+    (each None when absent)."""
+    return PrefillResult.from_blob(job_id, blob, logits, prompt_logprobs)

@@ -45,6 +45,7 @@ class JobRecord:
     priority: int = 0
     chunk_tokens: int | None = None
     session: str | None = None
+    prompt_logprobs: int | None = None  # K: per-position logprobs and top K (None: off)
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     enqueued_at: float | None = None

@@ -110,6 +110,7 @@ def new_record(
     parse_special: bool,
     session: str | None,
     priority: int,
+    prompt_logprobs: int | None = None,
     chunk_tokens: int | None,
     idempotency_key: str | None,
     max_attempts: int,
@@ -123,7 +124,7 @@ def new_record(
     Raises:
         InvalidRequest: no input or two, empty/whitespace prompt, empty token list, malformed
             messages (`check_messages`), a non-bool add_generation_prompt, bad top_k,
-            logits, chunk_tokens or max_attempts.
+            logits, chunk_tokens, max_attempts or prompt_logprobs (`_check_prompt_logprobs`).
     """
     messages = _check_input(prompt, tokens, messages, add_generation_prompt)
     if not 0 <= int(top_k) <= MAX_TOP_K:
@@ -134,6 +135,7 @@ def new_record(
         raise InvalidRequest(f"logits must be none, top_k or full, got {logits!r}") from e
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise InvalidRequest(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    _check_prompt_logprobs(prompt_logprobs, session)
     if int(max_attempts) < 1:
         raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
     return JobRecord(
@@ -149,10 +151,24 @@ def new_record(
         priority=int(priority),
         chunk_tokens=None if chunk_tokens is None else int(chunk_tokens),
         session=session,
+        prompt_logprobs=prompt_logprobs,
         idempotency_key=idempotency_key,
         max_attempts=int(max_attempts),
         enqueued_at=enqueued_at,
     )
+
+
+def _check_prompt_logprobs(k: object, session: str | None) -> None:
+    """An int in ``[0, MAX_TOP_K]`` or None, and not with a `session` (its cached prefix has
+    no per-position results). Raises InvalidRequest."""
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_K:
+        raise InvalidRequest(f"prompt_logprobs must be an int in [0, {MAX_TOP_K}] or None, "
+                             f"got {k!r}")
+    if session is not None:
+        raise InvalidRequest("prompt_logprobs cannot be used with a session: the session's "
+                             "cached prefix has no per-position log-probabilities")
 
 
 def check_against_model(record: JobRecord, info: ModelInfo) -> None:

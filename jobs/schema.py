@@ -7,6 +7,7 @@ A job is one Redis hash, decoded by `jobs.record.JobRecord`; `JobRecord.status()
 from __future__ import annotations
 
 import array
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -98,6 +99,9 @@ class PrefillResult:
     Attributes:
         top_k: highest logits first; ``logprob`` is log-softmax over the whole vocabulary.
         logits: float32 ``[vocab]`` (``array('f')``) when submitted with ``logits="full"``.
+        prompt_logprobs: with ``prompt_logprobs=K``, n_tokens + 1 entries
+            ``{"token": int | None, "logprob": float | None, "top": [{"id": int,
+            "logprob": float}, ...]}`` (`prompt_logprobs_of`); else None.
         timings: ``queue_wait_s``, ``prefill_s`` (first start to finish), ``compute_s``
             (forward passes only), ``tokens_per_s`` ((n_tokens - cached_tokens) / prefill_s:
             tokens prefilled, not reused from a session's slot).
@@ -112,9 +116,11 @@ class PrefillResult:
     timings: dict[str, float]
     model_sha256: str
     logits: array.array | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict] | None = field(default=None, repr=False)
 
     @classmethod
-    def from_blob(cls, job_id: str, blob: bytes, logits: bytes | None) -> PrefillResult:
+    def from_blob(cls, job_id: str, blob: bytes, logits: bytes | None,
+                  prompt_logprobs: bytes | None = None) -> PrefillResult:
         data = unpackb(blob)
         values = None
         if logits is not None:
@@ -130,9 +136,44 @@ class PrefillResult:
             timings=data["timings"],
             model_sha256=data["model_sha256"],
             logits=values,
+            prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs_of(
+                prompt_logprobs),
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("logits")
         return out
+
+
+def _floats(blob: bytes, code: str) -> list:
+    values = array.array(code)
+    values.frombytes(blob)
+    return values.tolist()
+
+
+def prompt_logprobs_of(blob: bytes) -> list[dict]:
+    """Decode a job's prompt logprobs key (OpenAI's ``echo`` convention, DESIGN §10).
+
+    The key is msgpack ``{"k": K, "ids": int32 (n,), "token_logprob": float32 (n + 1,),
+    "top_ids": int32 (n + 1, K), "top_logprobs": float32 (n + 1, K)}``, arrays as raw
+    little-endian bytes and NaN where there is no value.
+
+    Returns:
+        n + 1 entries: entry i < n is prompt token i, ``{"token": id, "logprob": log p(ids[i]
+        | ids[:i]) (None at i = 0), "top": the K likeliest ids given ids[:i] (empty at
+        i = 0)}``; entry n, after the prompt, is ``{"token": None, "logprob": None, "top":
+        the final logits' top K}`` (the ``top_k`` result's logprobs). ``top`` is
+        ``[{"id": int, "logprob": float}, ...]``, highest first.
+    """
+    data = unpackb(blob)
+    k, ids = data["k"], _floats(data["ids"], "i")
+    token = _floats(data["token_logprob"], "f")
+    top_ids, top_lp = _floats(data["top_ids"], "i"), _floats(data["top_logprobs"], "f")
+    out = []
+    for i in range(len(ids) + 1):
+        top = [] if i == 0 else [{"id": top_ids[j], "logprob": top_lp[j]}
+                                 for j in range(i * k, (i + 1) * k)]
+        out.append({"token": ids[i] if i < len(ids) else None,
+                    "logprob": None if math.isnan(token[i]) else token[i], "top": top})
+    return out

@@ -89,13 +89,16 @@ return 'continue'
 
 # The last chunk is done: publish logits and `finished` together, unless canceled or fenced.
 # KEYS[4] logits key; ARGV[5] result blob, ARGV[6] logits blob or '', ARGV[7] logits TTL,
-# ARGV[8] cursor, ARGV[9] chunks_done.
+# ARGV[8] cursor, ARGV[9] chunks_done; KEYS[5] prompt logprobs key, ARGV[10] their blob or ''.
 PUBLISH = (
     _FENCE_READING_CANCEL
     + _CANCEL_IF_REQUESTED
     + """
 if ARGV[6] ~= '' then
   redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[7])
+end
+if ARGV[10] and ARGV[10] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[10], 'EX', ARGV[7])
 end
 redis.call('HSET', KEYS[1], 'state', 'finished', 'result', ARGV[5], 'cursor', ARGV[8],
            'chunks_done', ARGV[9], 'updated_at', ARGV[3], 'finished_at', ARGV[3])

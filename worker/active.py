@@ -9,6 +9,7 @@ import numpy as np
 
 from jobs import keys
 from jobs.schema import LogitsMode
+from jobs.serializer import packb
 from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
 
@@ -35,9 +36,11 @@ class ActiveJob:
 
     @property
     def keys(self) -> list[str]:
-        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits."""
+        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits, prompt
+        logprobs."""
         j = self.job_id
-        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j)]
+        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j),
+                keys.prompt_logprobs(j)]
 
 
 def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
@@ -67,3 +70,18 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
         },
         "model_sha256": loaded.sha256,
     }
+
+
+def prompt_logprobs_blob(prefill: Prefill) -> bytes:
+    """The msgpack of a finished prefill's ``logprobs`` for its Redis key (the layout
+    `jobs.schema.prompt_logprobs_of` decodes), or ``b""`` when the job asked for none."""
+    lp = prefill.logprobs
+    if lp is None:
+        return b""
+    return packb({
+        "k": lp.k,
+        "ids": np.asarray(lp.token_ids, dtype="<i4").tobytes(),
+        "token_logprob": lp.token_logprob.astype("<f4").tobytes(),
+        "top_ids": lp.top_ids.astype("<i4").tobytes(),
+        "top_logprobs": lp.top_logprobs.astype("<f4").tobytes(),
+    })

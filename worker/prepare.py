@@ -79,12 +79,14 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             len(ids), loaded.sliding_window, chunk_tokens=cap)
     except ValueError as e:
         return Prepared(None, (INVALID_CHUNK_PLAN, str(e)))
-    if checkpointing is not None:
+    # a prompt_logprobs job is never checkpointed, so a restart recomputes every position
+    if checkpointing is not None and record.prompt_logprobs is None:
         resumed = checkpointing.resume(loaded, record, ids, plan)
         if resumed is not None:
             return Prepared(resumed[0], checkpoints=resumed[1])
     try:
-        return Prepared(loaded.start_prefill(ids, plan=plan))
+        return Prepared(loaded.start_prefill(ids, plan=plan,
+                                             prompt_logprobs=record.prompt_logprobs))
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))

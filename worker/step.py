@@ -36,7 +36,7 @@ from jobs.scripts import Scripts
 from jobs.serializer import packb
 from model.registry import LoadedModel
 
-from .active import ActiveJob, result_of
+from .active import ActiveJob, prompt_logprobs_blob, result_of
 from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
@@ -229,6 +229,8 @@ class Stepper:
     def _checkpoints_for(self, record: JobRecord, prepared: Prepared) -> JobCheckpoints | None:
         if self.checkpointing is None or prepared.slot is not None:  # sessions: not yet
             return None
+        if record.prompt_logprobs is not None:  # a resume would lack the earlier positions
+            return None
         return JobCheckpoints(key=record.checkpoint, since=time.monotonic())
 
     # -- transitions --------------------------------------------------------------------
@@ -260,7 +262,7 @@ class Stepper:
         if active.logits_mode == LogitsMode.FULL:
             full = packb(np.asarray(logits, dtype="<f4").tobytes())
         args = [*self._fence_args(active), packb(result_of(active, logits, prefill_s)),
-                full, self.logits_ttl_s, p.cursor, p.chunks_done]
+                full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_blob(p)]
         reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)

@@ -184,6 +184,11 @@ async def same_error(sync_call, async_call) -> Exception:
     ({"tokens": [2, 300], "model": "nope"}, UnknownModel),
     ({"tokens": [2, 10**6]}, TokenOutOfRange),
     ({"tokens": [2] * 100_000}, PromptTooLong),
+    ({"tokens": [2, 300], "prompt_logprobs": -1}, InvalidRequest),
+    ({"tokens": [2, 300], "prompt_logprobs": 1001}, InvalidRequest),
+    ({"tokens": [2, 300], "prompt_logprobs": 2.0}, InvalidRequest),
+    ({"tokens": [2, 300], "prompt_logprobs": True}, InvalidRequest),
+    ({"tokens": [2, 300], "prompt_logprobs": 3, "session": "s1"}, InvalidRequest),
 ])
 async def test_bad_submits_raise_the_sync_clients_errors(client, aclient, submit, error):
     submit = {"model": MODEL, **submit}
@@ -259,3 +264,14 @@ async def test_200_concurrent_submits_from_one_loop_land_and_finish(aclient, wor
     results = await asyncio.gather(*(aclient.result(j, timeout=0) for j in jobs))
     assert [r.n_tokens for r in results] == [3] * n
     assert len(intake_queue(conn, MODEL)) == 0
+
+
+async def test_prompt_logprobs_through_the_async_client(client, aclient, worker):
+    token_ids = ids(40, 3)
+    ours = await aclient.submit(tokens=token_ids, model=MODEL, top_k=3, prompt_logprobs=3)
+    theirs = client.submit(tokens=token_ids, model=MODEL, top_k=3, prompt_logprobs=3)
+    work(worker)
+    a, b = await aclient.result(ours, timeout=10), client.result(theirs, timeout=10)
+    assert a.prompt_logprobs == b.prompt_logprobs and len(a.prompt_logprobs) == 41
+    assert a.prompt_logprobs[0]["logprob"] is None
+    assert [t["id"] for t in a.prompt_logprobs[-1]["top"]] == [t.id for t in a.top_k]
