@@ -175,6 +175,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         session=args.session,
         priority=args.priority,
         chunk_tokens=args.chunk_tokens,
+        prompt_logprobs=args.prompt_logprobs,
     )
     print(job_id)
     return 0
@@ -242,6 +243,8 @@ def add_submit(sub) -> None:
     submit.add_argument("--priority", type=int, default=0,
                         help="higher is admitted first (default 0)")
     submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
+    submit.add_argument("--prompt-logprobs", type=int, metavar="K",
+                        help="per-position logprob and top K of the prompt (result --json)")
     submit.set_defaults(func=cmd_submit)
 
 

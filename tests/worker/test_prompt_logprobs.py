@@ -52,3 +52,28 @@ def test_a_prompt_logprobs_job_is_not_checkpointed(setup, tmp_path, on_chunk):
     worker.work(burst=True)
     assert len(client.result(job, timeout=0).prompt_logprobs) == 51
     assert seen[job] is None and seen[plain] is not None  # a restart recomputes from 0
+
+
+def test_cli_submit_prompt_logprobs_and_result_json(redis_server, tiny, tmp_path):
+    import json
+
+    import redis
+
+    from tests.jobs.test_cli import light_prefillq
+    from worker.worker import PrefillWorker
+
+    redis.Redis.from_url(redis_server).flushall()
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server), name="w1")
+    worker.register_models()
+    token_ids = ids(20, 9)
+    (tmp_path / "ids.json").write_text(json.dumps(token_ids))
+    submit = light_prefillq("submit", "--redis", redis_server, "--model", MODEL,
+                            "--tokens-file", str(tmp_path / "ids.json"), "--prompt-logprobs", "2")
+    assert submit.returncode == 0, submit.stderr
+    worker.work(burst=True)
+    result = light_prefillq("result", "--redis", redis_server, submit.stdout.split()[-1],
+                            "--json")
+    assert result.returncode == 0, result.stderr
+    entries = json.loads(result.stdout)["prompt_logprobs"]
+    assert [e["token"] for e in entries] == [*token_ids, None]
+    assert entries[0]["logprob"] is None and all(len(e["top"]) == 2 for e in entries[1:])
