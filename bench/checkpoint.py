@@ -18,13 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-from jobs import JobState, PrefillClient, keys
+from jobs import JobState, PrefillClient, keys, protocol
 from jobs.queues import enqueue_new
-from jobs.requests import new_record
-from jobs.schema import now
 from model.registry import LoadedModel
 from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
 from worker.redis_server import RedisServer
@@ -122,10 +119,10 @@ def _worker(url: str, name: str, model: str, chunk_tokens: int, logs: Path):
 def _routed(client: PrefillClient, ids: list[int], model: str, worker: str) -> str:
     """Submit `ids` straight onto `worker`'s own queue (as a session's next job is routed),
     so only that worker starts it: `PrefillClient.submit` with the queue chosen here."""
-    record = new_record(uuid.uuid4().hex, prompt=None, tokens=ids, messages=None, model=model,
-                        top_k=1, logits="top_k", parse_special=True, session=None,
-                        priority=0, chunk_tokens=None, idempotency_key=None, max_attempts=3,
-                        enqueued_at=now())
+    record = protocol.submitted_record(
+        prompt=None, tokens=ids, messages=None, model=model, top_k=1, logits="top_k",
+        parse_special=True, session=None, priority=0, chunk_tokens=None,
+        idempotency_key=None, max_attempts=3)
     with client.redis.pipeline() as pipe:
         pipe.multi()
         pipe.hset(keys.job(record.job_id), mapping=record.to_hash())

@@ -52,7 +52,7 @@ class JobCheckpoints:
     """One resident job's checkpoint state on this worker."""
 
     latest: CheckpointRecord | None = None  # in force (restored, or written by this attempt)
-    key: str | None = None  # the job hash's record key (may predate `latest` being read)
+    key: str | None = None  # the job hash's record key: `latest`'s, or a newer unusable one
     chunks_since: int = 0
     since: float = 0.0  # monotonic time of the last checkpoint (or of the start)
 
@@ -174,11 +174,9 @@ class Checkpointing:
         if state is None:
             return
         self.flush()
-        key = state.key if state.latest is None else keys.checkpoint(job_id, state.latest.seq,
-                                                                      "record")
-        if key is not None:
+        if state.key is not None:  # the job hash's pointer: the newest record of the chain
             try:
-                delete_all(self.store, key)
+                delete_all(self.store, state.key)
             except Exception:  # blobs expire anyway
                 log.warning("job %s: could not delete its checkpoints", job_id, exc_info=True)
 

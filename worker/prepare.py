@@ -79,8 +79,7 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             len(ids), loaded.sliding_window, chunk_tokens=cap)
     except ValueError as e:
         return Prepared(None, (INVALID_CHUNK_PLAN, str(e)))
-    # a prompt_logprobs job is never checkpointed, so a restart recomputes every position
-    if checkpointing is not None and record.prompt_logprobs is None:
+    if checkpointing is not None:  # (a prompt_logprobs job never has a checkpoint)
         resumed = checkpointing.resume(loaded, record, ids, plan)
         if resumed is not None:
             return Prepared(resumed[0], checkpoints=resumed[1])

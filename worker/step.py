@@ -227,9 +227,11 @@ class Stepper:
         return active
 
     def _checkpoints_for(self, record: JobRecord, prepared: Prepared) -> JobCheckpoints | None:
-        if self.checkpointing is None or prepared.slot is not None:  # sessions: not yet
+        # Not checkpointed mid-prefill: session jobs (their plan depends on the slot they
+        # start from) and prompt_logprobs jobs (a resume would lack the earlier positions).
+        if self.checkpointing is None or prepared.slot is not None:
             return None
-        if record.prompt_logprobs is not None:  # a resume would lack the earlier positions
+        if record.prompt_logprobs is not None:
             return None
         return JobCheckpoints(key=record.checkpoint, since=time.monotonic())
 
