@@ -3,9 +3,10 @@
 A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
 validate submits, and keeps ``keys.worker_heartbeat(name)`` alive from its own thread
 (every ttl/6, so a long chunk never delays it). Every beat it also runs the reaper
-(`jobs.reaper.reap`, two commands when no worker died), which requeues the jobs of workers
-whose heartbeat expired and moves the jobs routed to them to intake: a job waits on a dead
-worker at most one heartbeat TTL and one beat.
+(`jobs.reaper.reap`: two round trips when no worker died, SMEMBERS and an EXISTS per
+registered worker), which requeues the jobs of workers whose heartbeat expired and moves
+the jobs routed to them to intake: a job waits on a dead worker at most one heartbeat TTL
+and one beat.
 """
 
 from __future__ import annotations
