@@ -20,10 +20,13 @@ from .errors import (
     PrefillQError,
     PromptTooLong,
     QueueFull,
+    TokenizerMalformed,
+    TokenizerUnavailable,
     TokenOutOfRange,
     UnknownModel,
 )
 from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
+from .tokenizer import ServedTokenizer
 
 __all__ = [
     "AsyncPrefillClient",
@@ -41,6 +44,9 @@ __all__ = [
     "PrefillQError",
     "PrefillResult",
     "QueueFull",
+    "ServedTokenizer",
+    "TokenizerMalformed",
+    "TokenizerUnavailable",
     "TokenOutOfRange",
     "TopLogit",
     "UnknownModel",

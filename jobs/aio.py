@@ -7,8 +7,10 @@ loop. Imports redis, rq and msgpack only, never MLX.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from functools import cached_property
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
@@ -26,6 +28,7 @@ from .queues import intake_levels, push_new, rq_queue_key
 from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL
+from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
 # Connections `from_url` opens for commands; beyond them a call waits for a free one
 # (redis.asyncio's plain pool raises MaxConnectionsError at 100 concurrent calls).
@@ -99,6 +102,24 @@ class AsyncPrefillClient:
         if blob is None:
             raise protocol.unknown_model(name, await self.models())
         return protocol.model_info(name, blob)
+
+    @cached_property
+    def _tokenizers(self) -> AsyncTokenizerCache:  # made on first use, on the loop's thread
+        return AsyncTokenizerCache()
+
+    async def tokenizer(self, model: str) -> ServedTokenizer:
+        """`model`'s tokenizer as its workers publish it; errors as `PrefillClient.tokenizer`.
+
+        Built once per model file (sha256) and client, in a thread (~1 s for Gemma 3), by
+        one task that concurrent first calls share; later calls cost one HGET.
+        """
+        info = await self._model(model)
+
+        async def build() -> ServedTokenizer:
+            blob = await self.redis.get(keys.tokenizer(info.sha256))
+            return await asyncio.to_thread(protocol.tokenizer_of, info, blob)
+
+        return await self._tokenizers.get(info.sha256, build)
 
     async def _intake_depth(self, model: str) -> int:
         levels = intake_levels(await self.redis.smembers(keys.priorities(model)))

@@ -25,6 +25,7 @@ from .queues import enqueue_new, intake_depth
 from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
+from .tokenizer import ServedTokenizer, TokenizerCache
 
 
 def redis_url(url: str | None = None) -> str:
@@ -53,6 +54,7 @@ class PrefillClient:
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
         self._scripts = Scripts(redis)
+        self._tokenizers = TokenizerCache()
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> PrefillClient:
@@ -70,6 +72,23 @@ class PrefillClient:
         if blob is None:
             raise protocol.unknown_model(name, self.models())
         return protocol.model_info(name, blob)
+
+    def tokenizer(self, model: str) -> ServedTokenizer:
+        """`model`'s tokenizer as its workers publish it (`jobs.tokenizer.ServedTokenizer`):
+        the same ids, text and pieces as the worker's.
+
+        Built once per model file (sha256) and client, ~1 s for Gemma 3 (a 5 MB GET, then
+        loading); later calls cost one HGET, to follow a model name to a new file.
+
+        Raises:
+            UnknownModel: no registered worker serves `model`.
+            TokenizerUnavailable: no tokenizer is published for it (workers of an older
+                prefillq), or one of a newer format; TokenizerMalformed (a subclass): the
+                published blob cannot be decoded.
+        """
+        info = self._model(model)
+        return self._tokenizers.get(info.sha256, lambda: protocol.tokenizer_of(
+            info, self.redis.get(keys.tokenizer(info.sha256))))
 
     # -- submit ------------------------------------------------------------------------
 

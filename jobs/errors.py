@@ -57,3 +57,12 @@ class EmptyPrompt(InvalidRequest):
 
 class PromptTooLong(InvalidRequest):
     """The prompt has more tokens than the model's serving context."""
+
+
+class TokenizerUnavailable(PrefillQError):
+    """No usable tokenizer is published for a registered model: its workers predate
+    tokenizer publishing, or published a format newer than this client reads."""
+
+
+class TokenizerMalformed(TokenizerUnavailable):
+    """The published tokenizer blob cannot be decoded (truncated, garbled, wrong fields)."""

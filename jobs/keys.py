@@ -28,6 +28,9 @@ IDEMPOTENCY = PREFIX + ":idem:{key}"
 
 # model name -> msgpack {vocab_size, context_length, architecture, sha256}
 MODELS = PREFIX + ":models"
+# model sha256 -> the model's tokenizer, published by its workers for clients that tokenize
+# (`jobs.tokenizer`: msgpack with the zlib'd `tokenizers` JSON, ~5 MB for Gemma 3; no TTL)
+TOKENIZER = PREFIX + ":tokenizer:{sha256}"
 # names of registered workers
 WORKERS = PREFIX + ":workers"
 # worker liveness: exists while the worker is alive (TTL of a few chunk times)
@@ -101,6 +104,10 @@ def parse_checkpoint(key: str) -> tuple[str, int, str]:
 
 def idempotency(key: str) -> str:
     return IDEMPOTENCY.format(key=key)
+
+
+def tokenizer(sha256: str) -> str:
+    return TOKENIZER.format(sha256=sha256)
 
 
 def worker_heartbeat(worker: str) -> str:

@@ -13,11 +13,20 @@ import uuid
 from collections.abc import Mapping
 
 from . import keys
-from .errors import JobCanceled, JobFailed, JobNotFound, JobTimeout, QueueFull, UnknownModel
+from .errors import (
+    JobCanceled,
+    JobFailed,
+    JobNotFound,
+    JobTimeout,
+    QueueFull,
+    TokenizerUnavailable,
+    UnknownModel,
+)
 from .record import JobRecord
 from .requests import ModelInfo, new_record
 from .schema import JobState, JobStatus, PrefillResult, now
 from .serializer import unpackb
+from .tokenizer import ServedTokenizer
 
 # `watch` re-reads the job at least this often (seconds), in case a pub/sub message was lost.
 WATCH_RECHECK_S = 1.0
@@ -43,6 +52,22 @@ def unknown_model(name: str, registered: Mapping[str, ModelInfo]) -> UnknownMode
     """The error for a submit to `name`, which no worker in `registered` serves."""
     known = ", ".join(sorted(registered)) or "none"
     return UnknownModel(f"no registered worker serves model {name!r} (registered: {known})")
+
+
+def tokenizer_of(model: ModelInfo, blob: bytes | None) -> ServedTokenizer:
+    """Build `model`'s tokenizer from GET ``keys.tokenizer(model.sha256)`` (~1 s for Gemma 3:
+    run it off the event loop).
+
+    Raises:
+        TokenizerUnavailable: no blob (the model's workers predate tokenizer publishing),
+            or one of a newer format.
+        TokenizerMalformed: the blob cannot be decoded.
+    """
+    if blob is None:
+        raise TokenizerUnavailable(
+            f"no tokenizer is published for model {model.name!r} (sha256 {model.sha256[:12]}): "
+            "its workers predate tokenizer publishing; upgrade and restart one")
+    return ServedTokenizer.from_blob(blob)
 
 
 def check_depth(model: str, depth: int, max_queue_depth: int) -> None:

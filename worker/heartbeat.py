@@ -1,12 +1,13 @@
 """Liveness: model registration, the heartbeat thread and the periodic reap.
 
 A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
-validate submits, and keeps ``keys.worker_heartbeat(name)`` alive from its own thread
-(every ttl/6, so a long chunk never delays it). Every beat it also runs the reaper
-(`jobs.reaper.reap`: two round trips when no worker died, SMEMBERS and an EXISTS per
-registered worker), which requeues the jobs of workers whose heartbeat expired and moves
-the jobs routed to them to intake: a job waits on a dead worker at most one heartbeat TTL
-and one beat.
+validate submits, publishes each model's tokenizer under ``keys.tokenizer(sha256)`` once
+(for clients that tokenize, `jobs.tokenizer`), and keeps ``keys.worker_heartbeat(name)``
+alive from its own thread (every ttl/6, so a long chunk never delays it). Every beat it
+also runs the reaper (`jobs.reaper.reap`: two round trips when no worker died, SMEMBERS and
+an EXISTS per registered worker), which requeues the jobs of workers whose heartbeat expired
+and moves the jobs routed to them to intake: a job waits on a dead worker at most one
+heartbeat TTL and one beat.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
+from redis.exceptions import ResponseError
+
 from jobs import keys
 from jobs.reaper import reap
 from jobs.schema import now
 from jobs.serializer import packb
+from jobs.tokenizer import pack_tokenizer
 from model.registry import LoadedModel
 
 from .connection import refused_write
@@ -37,19 +41,25 @@ class Heartbeat:
         result_ttl_s: lifetime of the records of jobs the reaper fails.
         on_beat: called after every beat from the beat thread (retries of writes that
             Redis refused earlier); its errors are logged, never raised.
+        publish_tokenizers: publish the models' tokenizers (off for a queue no other
+            process reads, where building the blob would only add to start-up).
     """
 
     def __init__(self, connection, name: str, models: Mapping[str, LoadedModel], *,
-                 ttl_s: int, result_ttl_s: int, on_beat: Callable[[], None] | None = None):
+                 ttl_s: int, result_ttl_s: int, on_beat: Callable[[], None] | None = None,
+                 publish_tokenizers: bool = True):
         self.connection, self.name, self.models = connection, name, models
         self.ttl_s = max(1, ttl_s)
         self.result_ttl_s = result_ttl_s
         self.on_beat = on_beat
+        self.publish_tokenizers = publish_tokenizers
+        self._tokenizer_blobs: dict[str, bytes] = {}  # by model name, built once
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def register_models(self) -> None:
-        """Advertise the models (vocab, context) so clients can validate submits; beat."""
+        """Advertise the models (vocab, context) so clients can validate submits, publish
+        their tokenizers where none is yet; beat."""
         for name, loaded in self.models.items():
             info = {
                 "vocab_size": loaded.vocab_size,
@@ -58,8 +68,36 @@ class Heartbeat:
                 "sha256": loaded.sha256,
             }
             self.connection.hset(keys.MODELS, name, packb(info))
+            if self.publish_tokenizers:
+                self.publish_tokenizer(name, loaded)
         self.connection.sadd(keys.WORKERS, self.name)
         self.beat()
+
+    def publish_tokenizer(self, name: str, loaded: LoadedModel) -> bool:
+        """Write `loaded`'s tokenizer blob under ``keys.tokenizer(sha256)`` unless it is there.
+
+        EXISTS first: a re-register (every beat, after a Redis restart) sends the ~5 MB blob
+        only when the key is gone. The blob is built on the first need (~0.9 s for Gemma 3)
+        and kept. A write Redis refuses (maxmemory) is logged and retried next beat: serving
+        jobs does not need it.
+
+        Returns:
+            Whether this call wrote the key.
+        """
+        key = keys.tokenizer(loaded.sha256)
+        if self.connection.exists(key):
+            return False
+        blob = self._tokenizer_blobs.get(name)
+        if blob is None:
+            blob = self._tokenizer_blobs[name] = pack_tokenizer(loaded.tokenizer.published())
+        try:
+            return bool(self.connection.set(key, blob, nx=True))  # NX: another worker's wins
+        except ResponseError as error:
+            if not refused_write(error):
+                raise
+            log.warning("could not publish the tokenizer of %s (%d bytes): %s", name,
+                        len(blob), error)
+            return False
 
     def beat(self) -> None:
         self.connection.set(keys.worker_heartbeat(self.name), now(), ex=self.ttl_s)

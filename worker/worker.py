@@ -114,6 +114,8 @@ class PrefillWorker(SimpleWorker):
             this queue's Redis, ``redis://...``, ``file:///dir``).
         checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
         checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
+        publish_tokenizers: publish each model's tokenizer for clients that tokenize
+            (`worker.heartbeat.Heartbeat.publish_tokenizer`).
     Raises:
         ValueError: a bad `checkpoint_store` or `checkpoint_every`.
     """
@@ -137,6 +139,7 @@ class PrefillWorker(SimpleWorker):
         checkpoint_store: str | None = None,
         checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY,
         checkpoint_max_bytes: int | None = None,
+        publish_tokenizers: bool = True,
     ):
         if not models:
             raise ValueError("a worker needs at least one model")
@@ -167,7 +170,8 @@ class PrefillWorker(SimpleWorker):
         self._rq_beat_at = 0.0
         self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
-                                  result_ttl_s=result_ttl_s, on_beat=self._on_beat)
+                                  result_ttl_s=result_ttl_s, on_beat=self._on_beat,
+                                  publish_tokenizers=publish_tokenizers)
         self._stop_signal = "SIGTERM"
 
     def _on_beat(self) -> None:
