@@ -1,7 +1,8 @@
 """Liveness: model registration, the heartbeat thread and the periodic reap.
 
 A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
-validate submits, and keeps ``keys.worker_heartbeat(name)`` alive from its own thread
+validate submits, and their names under ``keys.worker_models(name)`` (live workers per
+model, `jobs.stats`), and keeps ``keys.worker_heartbeat(name)`` alive from its own thread
 (every ttl/6, so a long chunk never delays it). Every beat it also runs the reaper
 (`jobs.reaper.reap`: two round trips when no worker died, SMEMBERS and an EXISTS per
 registered worker), which requeues the jobs of workers whose heartbeat expired and moves
@@ -49,7 +50,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def register_models(self) -> None:
-        """Advertise the models (vocab, context) so clients can validate submits; beat."""
+        """Advertise the models (vocab, context) so clients can validate submits, and which
+        this worker serves; beat."""
         for name, loaded in self.models.items():
             info = {
                 "vocab_size": loaded.vocab_size,
@@ -58,6 +60,10 @@ class Heartbeat:
                 "sha256": loaded.sha256,
             }
             self.connection.hset(keys.MODELS, name, packb(info))
+        with self.connection.pipeline() as pipe:  # MULTI: replaced, never seen half written
+            pipe.delete(keys.worker_models(self.name))
+            pipe.sadd(keys.worker_models(self.name), *self.models)
+            pipe.execute()
         self.connection.sadd(keys.WORKERS, self.name)
         self.beat()
 
@@ -78,8 +84,9 @@ class Heartbeat:
             self._thread.join(timeout=join_s)
 
     def deregister(self) -> None:
-        """Remove the heartbeat key and the worker from ``keys.WORKERS``."""
+        """Remove the heartbeat key, the models set and the worker from ``keys.WORKERS``."""
         self.connection.delete(keys.worker_heartbeat(self.name))
+        self.connection.delete(keys.worker_models(self.name))
         self.connection.srem(keys.WORKERS, self.name)
 
     def _loop(self) -> None:
