@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 
-from . import keys, protocol
+from . import keys, protocol, stats
 from .client import redis_url
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
@@ -151,6 +151,7 @@ class AsyncPrefillClient:
         async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
             push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+            stats.record_submitted(pipe)
             await pipe.execute()
         return record.job_id
 
