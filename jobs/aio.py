@@ -175,6 +175,11 @@ class AsyncPrefillClient:
         outcome = await self._cancel(
             keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
         )
+        ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
+        if ended:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                stats.record_terminal(pipe, ended)
+                await pipe.execute(raise_on_error=False)  # best effort: the cancel has landed
         return protocol.cancel_changed(job_id, outcome)
 
     async def watch(self, job_id: str, timeout: float | None = None) -> AsyncIterator[JobStatus]:
