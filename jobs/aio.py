@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 
-from . import keys, protocol
+from . import keys, protocol, stats
 from .client import redis_url
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
@@ -172,6 +172,7 @@ class AsyncPrefillClient:
         async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
             push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+            stats.record_submitted(pipe)
             await pipe.execute()
         return record.job_id
 
@@ -195,6 +196,11 @@ class AsyncPrefillClient:
         outcome = await self._cancel(
             keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
         )
+        ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
+        if ended:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                stats.record_terminal(pipe, ended)
+                await pipe.execute(raise_on_error=False)  # best effort: the cancel has landed
         return protocol.cancel_changed(job_id, outcome)
 
     async def watch(self, job_id: str, timeout: float | None = None) -> AsyncIterator[JobStatus]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from redis import Redis
 
-from . import keys, protocol
+from . import keys, protocol, stats
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_QUEUE_DEPTH,
@@ -149,6 +149,7 @@ class PrefillClient:
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
             enqueue_new(self.redis, record.job_id, model, record.priority, pipe,
                         worker=self.session_holder(session) if session else None)
+            stats.record_submitted(pipe)
             pipe.execute()
         return record.job_id
 
@@ -175,6 +176,11 @@ class PrefillClient:
         outcome = self._scripts.cancel(
             keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
         )
+        ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
+        if ended:
+            with self.redis.pipeline(transaction=False) as pipe:
+                stats.record_terminal(pipe, ended)
+                pipe.execute(raise_on_error=False)  # best effort: the cancel has landed
         return protocol.cancel_changed(job_id, outcome)
 
     def watch(self, job_id: str, timeout: float | None = None) -> Iterator[JobStatus]:

@@ -37,6 +37,13 @@ WORKERS = PREFIX + ":workers"
 WORKER_HEARTBEAT = PREFIX + ":worker:{worker}:heartbeat"
 # ids of the jobs a worker holds in memory (for the dead-worker reaper)
 WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
+# names of the models a worker serves (a set; written at registration, for live workers
+# per model)
+WORKER_MODELS = PREFIX + ":worker:{worker}:models"
+
+# the cluster's counters (jobs by outcome, tokens prefilled, the chunk-time histogram): one
+# hash whose fields `jobs.stats` owns; never touched by a per-job script (another slot)
+STATS = PREFIX + ":stats"
 
 # session id -> name of the worker that keeps the session's slot (its KV cache, committed
 # tokens and turn anchor); a session's next job is routed to that worker while it lives
@@ -116,6 +123,10 @@ def worker_heartbeat(worker: str) -> str:
 
 def worker_jobs(worker: str) -> str:
     return WORKER_JOBS.format(worker=worker)
+
+
+def worker_models(worker: str) -> str:
+    return WORKER_MODELS.format(worker=worker)
 
 
 def session_holder(session: str) -> str:

@@ -6,7 +6,8 @@ A worker's KV caches die with its process, so its jobs restart at cursor 0 with
 Every live worker runs this on a timer; ``prefillq reap`` runs it once.
 Each job moves in one fenced script (it must still be ``prefilling`` on the dead worker),
 so two reapers racing, or a worker declared dead that still runs, cannot double-queue or
-double-publish it.
+double-publish it; the jobs it ends (``failed``, or ``canceled`` when a cancel was pending)
+are counted (`jobs.stats`) with the deletion of the worker's keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from . import keys
+from . import keys, stats
 from .defaults import DEFAULT_RESULT_TTL_S
 from .queues import move_to_intake, requeue_to_intake
 from .schema import now
@@ -47,6 +48,7 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
     scripts = Scripts(redis)
     reaped = []
     for worker in dead_workers(redis):
+        ended = []
         for raw in redis.smembers(keys.worker_jobs(worker)):
             job_id = raw.decode()
             with redis.pipeline() as pipe:
@@ -60,9 +62,15 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
                 requeue_to_intake(redis, job_id, pipe)  # a stray RQ job is skipped by START
                 outcome = pipe.execute()[0].decode()
             reaped.append(Reaped(worker, job_id, outcome))
+            ended.append(stats.terminal(outcome))
             log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)
         for job_id in move_to_intake(redis, worker):  # jobs routed to it, not started yet
             log.warning("moved job %s routed to dead worker %s to intake", job_id, worker)
-        redis.delete(keys.worker_jobs(worker))
-        redis.srem(keys.WORKERS, worker)
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.delete(keys.worker_jobs(worker))
+            pipe.delete(keys.worker_models(worker))
+            pipe.srem(keys.WORKERS, worker)
+            for state in filter(None, ended):
+                stats.record_terminal(pipe, state)
+            pipe.execute(raise_on_error=False)  # a count Redis refuses is dropped
     return reaped

@@ -2,12 +2,13 @@
 
 A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
 validate submits, publishes each model's tokenizer under ``keys.tokenizer(sha256)`` once
-(for clients that tokenize, `jobs.tokenizer`), and keeps ``keys.worker_heartbeat(name)``
-alive from its own thread (every ttl/6, so a long chunk never delays it). Every beat it
-also runs the reaper (`jobs.reaper.reap`: two round trips when no worker died, SMEMBERS and
-an EXISTS per registered worker), which requeues the jobs of workers whose heartbeat expired
-and moves the jobs routed to them to intake: a job waits on a dead worker at most one
-heartbeat TTL and one beat.
+(for clients that tokenize, `jobs.tokenizer`), records the names it serves under
+``keys.worker_models(name)`` (live workers per model, `jobs.stats`), and keeps
+``keys.worker_heartbeat(name)`` alive from its own thread (every ttl/6, so a long chunk
+never delays it). Every beat it also runs the reaper (`jobs.reaper.reap`: two round trips
+when no worker died, SMEMBERS and an EXISTS per registered worker), which requeues the jobs
+of workers whose heartbeat expired and moves the jobs routed to them to intake: a job waits
+on a dead worker at most one heartbeat TTL and one beat.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def register_models(self) -> None:
-        """Advertise the models (vocab, context) so clients can validate submits, publish
-        their tokenizers where none is yet; beat."""
+        """Advertise the models (vocab, context) so clients can validate submits, and which
+        this worker serves; publish their tokenizers where none is yet; beat."""
         for name, loaded in self.models.items():
             info = {
                 "vocab_size": loaded.vocab_size,
@@ -70,6 +71,10 @@ class Heartbeat:
             self.connection.hset(keys.MODELS, name, packb(info))
             if self.publish_tokenizers:
                 self.publish_tokenizer(name, loaded)
+        with self.connection.pipeline() as pipe:  # MULTI: replaced, never seen half written
+            pipe.delete(keys.worker_models(self.name))
+            pipe.sadd(keys.worker_models(self.name), *self.models)
+            pipe.execute()
         self.connection.sadd(keys.WORKERS, self.name)
         self.beat()
 
@@ -116,8 +121,9 @@ class Heartbeat:
             self._thread.join(timeout=join_s)
 
     def deregister(self) -> None:
-        """Remove the heartbeat key and the worker from ``keys.WORKERS``."""
+        """Remove the heartbeat key, the models set and the worker from ``keys.WORKERS``."""
         self.connection.delete(keys.worker_heartbeat(self.name))
+        self.connection.delete(keys.worker_models(self.name))
         self.connection.srem(keys.WORKERS, self.name)
 
     def _loop(self) -> None:

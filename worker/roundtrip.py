@@ -1,14 +1,17 @@
 """One Redis round trip per chunk: the job's fenced transition plus what the loop needs next.
 
 After each chunk the worker sends, in one non-transactional pipeline: the job's fenced
-checkpoint (or publish) script, the cancel flag of every other resident job, and the length
-of each queue it would admit from. The script is atomic on its own; the reads beside it need
-no atomicity (a flag or a queue length a moment old only delays a decision by one chunk).
+checkpoint (or publish) script, the cancel flag of every other resident job, the length
+of each queue it would admit from, and the chunk's stats (`jobs.stats.record_chunk`, on
+``keys.STATS``, another Redis Cluster slot than the job's). The script is atomic on its own;
+the commands beside it need no atomicity (a flag or a queue length a moment old only delays
+a decision by one chunk; the chunk was computed whatever the script answers).
 
 Scripts go out as plain EVALSHA: redis-py's pipelines otherwise send ``SCRIPT EXISTS`` in a
 round trip of their own before every execution (`redis.client.Pipeline.load_scripts`). A
 server that lost its script cache (a restart) answers ``NOSCRIPT``; the script is loaded and
-the whole pipeline, whose other commands only read, is sent again.
+the pipeline is sent again without the stats, which landed the first time. A stats write
+Redis refuses (maxmemory) is dropped: the counters are best effort, the job's write is not.
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from jobs import keys
+from jobs import keys, stats
 
 
 @dataclass
 class Probe:
-    """The reads that ride along with a chunk's script.
+    """What rides along with a chunk's script.
 
     Attributes:
         others: ids of the other resident jobs, whose cancel flags are read.
         queue_keys: Redis keys of the RQ queues to admit from (empty: no room).
+        chunk: the chunk just computed, ``(seconds, tokens)``, whose stats are written
+            (None: no chunk ran, e.g. a cancel or an exact session hit).
     """
 
     others: Sequence[str] = ()
     queue_keys: Sequence[str] = ()
+    chunk: tuple[float, int] | None = None
 
 
 @dataclass
@@ -47,21 +53,24 @@ class Reply:
 
 def run_script(connection: Redis, script: Script, script_keys: Sequence[str],
                args: Sequence, probe: Probe | None = None) -> Reply:
-    """Run `script` on `script_keys`/`args` and `probe`'s reads in one round trip.
+    """Run `script` on `script_keys`/`args`, `probe`'s reads and its chunk's stats in one
+    round trip.
 
     Raises:
-        whatever Redis answers for the script (e.g. ``OutOfMemoryError`` under maxmemory),
-        after the probe's reads have run.
+        whatever Redis answers for the script or a read (e.g. ``OutOfMemoryError`` under
+        maxmemory), after the probe's reads and the stats have run; never a stats error.
     """
     probe = probe or Probe()
-    try:
-        replies = _send(connection, script, script_keys, args, probe)
-    except NoScriptError:
+    replies = _send(connection, script, script_keys, args, probe, probe.chunk)
+    if isinstance(replies[0], NoScriptError):
         script.sha = connection.script_load(script.script)
-        replies = _send(connection, script, script_keys, args, probe)
-    outcome = replies[0]
-    flags = replies[1:1 + len(probe.others)]
-    lengths = replies[1 + len(probe.others):]
+        replies = _send(connection, script, script_keys, args, probe, None)
+    n_flags = len(probe.others)
+    replies = replies[:1 + n_flags + len(probe.queue_keys)]  # the stats' replies are dropped
+    errors = [r for r in replies if isinstance(r, Exception)]
+    if errors:
+        raise errors[0]
+    outcome, flags, lengths = replies[0], replies[1:1 + n_flags], replies[1 + n_flags:]
     return Reply(
         outcome=outcome.decode() if isinstance(outcome, bytes) else str(outcome),
         canceled=[j for j, flagged in zip(probe.others, flags, strict=True) if flagged],
@@ -70,11 +79,13 @@ def run_script(connection: Redis, script: Script, script_keys: Sequence[str],
 
 
 def _send(connection: Redis, script: Script, script_keys: Sequence[str], args: Sequence,
-          probe: Probe) -> list:
+          probe: Probe, chunk: tuple[float, int] | None) -> list:
     with connection.pipeline(transaction=False) as pipe:
         pipe.evalsha(script.sha, len(script_keys), *script_keys, *args)
         for job_id in probe.others:
             pipe.exists(keys.cancel(job_id))
         for key in probe.queue_keys:
             pipe.llen(key)
-        return pipe.execute()
+        if chunk is not None:
+            stats.record_chunk(pipe, *chunk)
+        return pipe.execute(raise_on_error=False)  # every reply, errors included

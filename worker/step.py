@@ -10,8 +10,9 @@ runs, and the chunk of the resident job whose turn is next is launched on the de
 run in the worker's own round-robin loop (`Stepper.advance_next`), one chunk of one
 resident job per call. After every chunk one round trip
 (`worker.roundtrip`) records the cursor or publishes the final logits (one fenced script;
-canceled wins) and reads the other resident jobs' cancel flags and whether intake holds a
-job to admit.
+canceled wins), counts the chunk (`jobs.stats`) and reads the other resident jobs' cancel
+flags and whether intake holds a job to admit. A job's end is counted with the SREM that
+forgets it.
 
 Every transition is fenced on (worker, attempt) by the scripts in `jobs/scripts.py`. A write
 Redis refuses (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``,
@@ -27,11 +28,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jobs import keys
+from jobs import keys, stats
 from jobs.defaults import MAX_ERROR_CHARS
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
-from jobs.schema import LogitsMode, now
+from jobs.schema import JobState, LogitsMode, now
 from jobs.scripts import Scripts
 from jobs.serializer import packb
 from model.registry import LoadedModel
@@ -127,7 +128,8 @@ class Stepper:
 
     def _run_chunk(self, active: ActiveJob) -> None:
         """One chunk of `active`, then its checkpoint or publish in one round trip that also
-        brings back the other resident jobs' cancel flags and whether intake is waiting."""
+        counts the chunk (its wall seconds, logged here, and tokens) and brings back the
+        other resident jobs' cancel flags and whether intake is waiting."""
         job_id, p = active.job_id, active.prefill
         self.active[job_id] = self.active.pop(job_id)  # its next turn comes after the others'
         try:
@@ -141,7 +143,7 @@ class Stepper:
             job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
         )
         probe = Probe(others=[j for j in self.active if j != job_id],
-                      queue_keys=self.admit_from())
+                      queue_keys=self.admit_from(), chunk=(dt, n))
         reply = self.publish(active, probe) if p.done else self.checkpoint(active, probe)
         self.intake_waiting = reply.intake_waiting
         if job_id in self.active and active.checkpoints is not None:
@@ -250,7 +252,7 @@ class Stepper:
                            probe)
         if reply.outcome != "continue":
             log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)
-            self.drop(active, ended=reply.outcome == "canceled")
+            self.drop(active, ended=stats.terminal(reply.outcome))
         return reply
 
     def publish(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
@@ -270,13 +272,13 @@ class Stepper:
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
         if reply.outcome == "finished" and active.slot is not None and self.checkpointing:
             self.checkpointing.sessions.save(active.session, active.model, active.slot)
-        self.drop(active, ended=reply.outcome != "fenced")
+        self.drop(active, ended=stats.terminal(reply.outcome))
         return reply
 
     def fail(self, job_id: str, fence: tuple[str, int], error_type: str, message: str) -> None:
         """Record ``failed`` with ``error.type`` `error_type` (fenced) and forget the job."""
         worker, attempt = fence
-        self.scripts.fail(
+        outcome = self.scripts.fail(
             keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
             args=[worker, attempt, now(), self.result_ttl_s, error_type,
                   message[:MAX_ERROR_CHARS]],
@@ -284,7 +286,7 @@ class Stepper:
         active = self.active.pop(job_id, None)
         if active is not None and active.checkpoints is not None:
             self.checkpointing.ended(job_id, active.checkpoints)
-        self.connection.srem(keys.worker_jobs(self.name), job_id)
+        self._forget(job_id, ended=stats.terminal(outcome))
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
     def chunk_failed(self, active: ActiveJob, error: Exception) -> None:
@@ -309,7 +311,7 @@ class Stepper:
             requeue_to_intake(self.connection, active.job_id, pipe)
             outcome = pipe.execute()[0].decode()
         log.info("job %s handed back: %s", active.job_id, outcome)
-        self.drop(active, ended=outcome in ("failed", "canceled"))
+        self.drop(active, ended=stats.terminal(outcome))
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown). A hand-back Redis refuses
@@ -328,18 +330,33 @@ class Stepper:
                 self.parked.park(active.job_id, "hand-back", lambda a=active: self.requeue(a),
                            error)
 
-    def drop(self, active: ActiveJob, *, deregister: bool = True, ended: bool = False) -> None:
+    def drop(self, active: ActiveJob, *, deregister: bool = True,
+             ended: JobState | None = None) -> None:
         """Forget `active` here (its cache is released, or kept as its session's slot,
         consistent at its last committed chunk); room for the next job. A job that `ended`
-        (finished, failed, canceled) has its checkpoints deleted."""
+        (the terminal state its script returned) has its checkpoints deleted and is
+        counted."""
         self.active.pop(active.job_id, None)
         self.admission.room_freed()
         if ended and active.checkpoints is not None:
             self.checkpointing.ended(active.job_id, active.checkpoints)
         if active.slot is not None:
             self.sessions.keep(active.session, active.model.name, active.slot)
-        if deregister:
-            self.connection.srem(keys.worker_jobs(self.name), active.job_id)
+        if deregister or ended:
+            self._forget(active.job_id, deregister=deregister, ended=ended)
+
+    def _forget(self, job_id: str, *, deregister: bool = True,
+                ended: JobState | None = None) -> None:
+        # One round trip: the held-jobs SREM and the end's count, which is best effort (a
+        # count Redis refuses is dropped; the SREM, a deletion, is never refused).
+        with self.connection.pipeline(transaction=False) as pipe:
+            if deregister:
+                pipe.srem(keys.worker_jobs(self.name), job_id)
+            if ended:
+                stats.record_terminal(pipe, ended)
+            replies = pipe.execute(raise_on_error=False)
+        if deregister and isinstance(replies[0], Exception):
+            raise replies[0]
 
     # -- writes Redis refused -------------------------------------------------------------
 

@@ -1,0 +1,269 @@
+"""The cluster's numbers in Redis: what workers and clients record, and how a reader gets them.
+
+Workers have no HTTP server, so what a gateway serves (``/metrics``, ``/health``) lives in
+Redis. Counters are fields of one hash, ``keys.STATS``, incremented by whoever makes the
+transition, in a round trip it sends anyway where there is one:
+
+- ``submitted``: jobs a `submit` created (in its MULTI; an idempotent resubmit returns the
+  first job and counts nothing).
+- ``finished``, ``failed``, ``canceled``: jobs that reached that state, each once, by the
+  caller whose fenced script ended it (a worker's publish, checkpoint, fail or requeue, the
+  reaper, or a client's cancel of a queued job); a fenced script ends nothing.
+- ``tokens_prefilled``: tokens run through a forward pass, never those reused from a
+  session's slot or restored from a checkpoint; a chunk counts even when its job was
+  canceled or fenced meanwhile (the work was done).
+- ``chunk_le:<bound>`` (`CHUNK_SECONDS_BUCKETS`, then ``+Inf``): chunks whose forward pass
+  took at most `bound` seconds and more than the bound before (not cumulative: one
+  increment per chunk; their sum is the chunk count), and ``chunk_seconds_sum``.
+
+The counters are best effort: a worker drops a stats write Redis refuses (maxmemory) rather
+than fail a job, and a pipeline redis-py resends after a lost connection counts twice.
+
+The rest is read from the keys the queue keeps anyway: queue lengths, workers, their
+heartbeats, models and held jobs. `read_plan` builds every read and decodes the replies
+without I/O; `read_cluster_stats` (redis.asyncio) and `read_cluster_stats_sync` (redis) only
+send its pipelines, so the two cannot drift apart. It costs two round trips, three when a
+model has an intake queue at a priority other than 0; the commands grow with the number of
+registered models and workers, not with jobs.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+
+from . import keys
+from .queues import intake_levels, rq_queue_key
+from .schema import JobState
+
+# Prometheus's default buckets (s), 2-2.5x apart: 5 ms (a small chunk on a GPU) to 10 s, past
+# the ~2 s of a 2,048-token Gemma 3 270M chunk on a CPU.
+CHUNK_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+SUBMITTED = "submitted"
+TOKENS_PREFILLED = "tokens_prefilled"
+CHUNK_SECONDS_SUM = "chunk_seconds_sum"
+TERMINAL_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELED)
+# Commands `record_chunk` adds to a chunk's pipeline (the chunk count is the buckets' sum).
+COMMANDS_PER_CHUNK = 3
+
+
+def bucket_field(seconds: float) -> str:
+    """The ``keys.STATS`` field of the histogram bucket of a chunk of `seconds`: the first
+    bound >= `seconds` (Prometheus's ``le``), ``chunk_le:+Inf`` past the last."""
+    i = bisect_left(CHUNK_SECONDS_BUCKETS, seconds)
+    return "chunk_le:" + (f"{CHUNK_SECONDS_BUCKETS[i]:g}" if i < len(CHUNK_SECONDS_BUCKETS)
+                          else "+Inf")
+
+
+BUCKET_FIELDS = tuple(bucket_field(b) for b in CHUNK_SECONDS_BUCKETS) + ("chunk_le:+Inf",)
+
+
+def record_chunk(pipe, seconds: float, tokens: int) -> None:
+    """Add one chunk's counts to `pipe` (`COMMANDS_PER_CHUNK` commands on ``keys.STATS``).
+
+    Args:
+        pipe: a redis or redis.asyncio pipeline.
+        seconds: the chunk's forward pass, wall seconds.
+        tokens: tokens it computed (not those a session's slot or a checkpoint supplied).
+    """
+    pipe.hincrby(keys.STATS, TOKENS_PREFILLED, int(tokens))
+    pipe.hincrby(keys.STATS, bucket_field(seconds), 1)
+    pipe.hincrbyfloat(keys.STATS, CHUNK_SECONDS_SUM, float(seconds))
+
+
+def terminal(outcome: str | bytes) -> JobState | None:
+    """The terminal state a script's outcome names (``finished``, ``failed``,
+    ``canceled``), or None (``continue``, ``queued``, ``fenced``, ...): what to count."""
+    outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+    return JobState(outcome) if outcome in TERMINAL_STATES else None
+
+
+def record_terminal(pipe, state: JobState | str, n: int = 1) -> None:
+    """Count `n` jobs that ended in `state` on `pipe` (one HINCRBY).
+
+    Args:
+        pipe: a redis or redis.asyncio pipeline.
+        state: ``finished``, ``failed`` or ``canceled``.
+
+    Raises:
+        ValueError: `state` is not terminal.
+    """
+    state = JobState(state)
+    if state not in TERMINAL_STATES:
+        raise ValueError(f"{state} is not a terminal state")
+    pipe.hincrby(keys.STATS, state.value, n)
+
+
+def record_submitted(pipe) -> None:
+    """Count one new job on `pipe` (the submit's MULTI)."""
+    pipe.hincrby(keys.STATS, SUBMITTED, 1)
+
+
+@dataclass(frozen=True)
+class ChunkHistogram:
+    """Chunk forward-pass times, as a Prometheus histogram.
+
+    Attributes:
+        bounds: upper bounds in seconds, ascending (``+Inf`` implied after the last).
+        cumulative: chunks of at most each bound, then of any time (``+Inf``):
+            ``len(bounds) + 1`` non-decreasing counts.
+        sum_seconds: seconds of every chunk.
+        count: chunks (``cumulative[-1]``).
+    """
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum_seconds: float
+    count: int
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """The cluster's numbers (`read_cluster_stats`).
+
+    Attributes:
+        submitted, finished, failed, canceled: jobs since the counters began (see the
+            module's docstring for what counts).
+        tokens_prefilled: tokens run through a forward pass.
+        chunks: the chunk-time histogram.
+        queue_depth: per registered model, executions waiting in its intake queues (every
+            priority): what `submit`'s QueueFull check counts, so a job canceled while queued
+            stays in until a worker pops (and skips) it.
+        routed: executions waiting in workers' own queues (a session's next turn, routed to
+            the worker that keeps its slot); a worker's queue may mix its models, so these
+            are not split by model.
+        prefilling: jobs held by live workers (a dead worker's jobs count once the reaper
+            has requeued them, within one heartbeat).
+        live_workers: per registered model, workers with a live heartbeat that serve it.
+        workers_alive, workers_dead: registered workers whose heartbeat key exists /
+            has expired (not reaped yet).
+    """
+
+    submitted: int = 0
+    finished: int = 0
+    failed: int = 0
+    canceled: int = 0
+    tokens_prefilled: int = 0
+    chunks: ChunkHistogram = field(default_factory=lambda: histogram_of({}))
+    queue_depth: dict[str, int] = field(default_factory=dict)
+    routed: int = 0
+    prefilling: int = 0
+    live_workers: dict[str, int] = field(default_factory=dict)
+    workers_alive: int = 0
+    workers_dead: int = 0
+
+    @property
+    def queued(self) -> int:
+        """Executions waiting now: every intake queue and every worker's own queue."""
+        return sum(self.queue_depth.values()) + self.routed
+
+    def totals(self) -> dict[str, int]:
+        """Jobs by ``submitted`` and each terminal state (a counter each)."""
+        return {SUBMITTED: self.submitted, **{s.value: getattr(self, s.value)
+                                             for s in TERMINAL_STATES}}
+
+
+def _fields(raw: Mapping) -> dict[str, bytes | str]:
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
+
+
+def histogram_of(raw: Mapping) -> ChunkHistogram:
+    """Decode the histogram from HGETALL ``keys.STATS`` (fields of other bounds ignored)."""
+    raw = _fields(raw)
+    running, cumulative = 0, []
+    for name in BUCKET_FIELDS:
+        running += int(raw.get(name, 0))
+        cumulative.append(running)
+    return ChunkHistogram(bounds=CHUNK_SECONDS_BUCKETS, cumulative=tuple(cumulative),
+                          sum_seconds=float(raw.get(CHUNK_SECONDS_SUM, 0.0)), count=running)
+
+
+def _names(members) -> list[str]:
+    return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+
+
+Reads = list[tuple]  # (pipeline method name, *args)
+
+
+def read_plan() -> Generator[Reads, list, ClusterStats]:
+    """Every read of `ClusterStats`, without I/O: yields the commands of each pipeline and
+    is sent their replies (in order); returns the decoded `ClusterStats`.
+
+    Round trip 1 reads the counters and the registered models and workers; 2, per model its
+    intake priorities and priority-0 length, per worker its heartbeat, models, held jobs and
+    own queue; 3 (only when needed) the other priorities' lengths.
+    """
+    raw, model_names, worker_names = yield [
+        ("hgetall", keys.STATS), ("hkeys", keys.MODELS), ("smembers", keys.WORKERS)]
+    models, workers = _names(model_names), _names(worker_names)
+    reads: Reads = []
+    for m in models:
+        reads += [("smembers", keys.priorities(m)), ("llen", rq_queue_key(keys.intake_queue(m)))]
+    for w in workers:
+        reads += [("exists", keys.worker_heartbeat(w)), ("smembers", keys.worker_models(w)),
+                  ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.sticky_queue(w)))]
+    replies = (yield reads) if reads else []
+    per_model, per_worker = replies[:2 * len(models)], replies[2 * len(models):]
+    depth = {m: per_model[2 * i + 1] for i, m in enumerate(models)}
+    others = [(m, p) for i, m in enumerate(models)
+              for p in intake_levels(per_model[2 * i]) if p != 0]
+    if others:
+        lengths = yield [("llen", rq_queue_key(keys.intake_queue(m, p))) for m, p in others]
+        for (m, _), n in zip(others, lengths, strict=True):
+            depth[m] += n
+    return _decode(raw, depth, per_worker)
+
+
+def _decode(raw: Mapping, depth: dict[str, int], per_worker: list
+            ) -> ClusterStats:
+    live = dict.fromkeys(depth, 0)
+    alive = prefilling = routed = 0
+    for i in range(0, len(per_worker), 4):
+        beat, served, held, own = per_worker[i:i + 4]
+        routed += own
+        if not beat:
+            continue
+        alive += 1
+        prefilling += held
+        for m in _names(served):
+            live[m] = live.get(m, 0) + 1
+    fields = _fields(raw)
+    counts = {name: int(fields.get(name, 0)) for name in
+              (SUBMITTED, TOKENS_PREFILLED, *(s.value for s in TERMINAL_STATES))}
+    return ClusterStats(
+        **counts, chunks=histogram_of(raw), queue_depth=depth, routed=routed,
+        prefilling=prefilling, live_workers=live, workers_alive=alive,
+        workers_dead=len(per_worker) // 4 - alive)
+
+
+def read_cluster_stats_sync(redis) -> ClusterStats:
+    """`ClusterStats` through a redis (sync) connection, in `read_plan`'s round trips."""
+    plan = read_plan()
+    reads = next(plan)
+    while True:
+        with redis.pipeline(transaction=False) as pipe:
+            for name, *args in reads:
+                getattr(pipe, name)(*args)
+            replies = pipe.execute()
+        try:
+            reads = plan.send(replies)
+        except StopIteration as done:
+            return done.value
+
+
+async def read_cluster_stats(redis) -> ClusterStats:
+    """`ClusterStats` through a redis.asyncio connection, in `read_plan`'s round trips."""
+    plan = read_plan()
+    reads = next(plan)
+    while True:
+        async with redis.pipeline(transaction=False) as pipe:
+            for name, *args in reads:
+                getattr(pipe, name)(*args)
+            replies = await pipe.execute()
+        try:
+            reads = plan.send(replies)
+        except StopIteration as done:
+            return done.value
