@@ -17,7 +17,7 @@ from pathlib import Path
 from .client import PrefillClient, redis_url
 from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
 from .errors import JobCanceled, JobFailed
-from .schema import JobState, JobStatus, PrefillResult
+from .schema import JobState, result_record
 
 SAMPLE_PROMPT = "The capital of France is"
 
@@ -117,17 +117,6 @@ def add_messages_flags(p: argparse.ArgumentParser, group=None) -> None:
              "rendered with the model's chat template")
     p.add_argument("--no-generation-prompt", action="store_true",
                    help="with --messages-file: do not end with the assistant's turn opening")
-
-
-def result_record(status: JobStatus, result: PrefillResult | None) -> dict:
-    """The status fields merged with the result's, plus ``chunks`` (= ``chunks_done``)."""
-    record = status.to_dict()
-    if result is not None:
-        record.update(result.to_dict())
-        record["chunks"] = result.chunks_done
-    else:
-        record["chunks"] = status.chunks_done
-    return record
 
 
 def reused(record: dict) -> str:

@@ -26,3 +26,7 @@ MAX_ERROR_CHARS = 2000
 # which worker keeps a session's slot outlives its last job.
 DEFAULT_SESSION_SLOTS = 4
 DEFAULT_SESSION_TTL_S = 24 * 3600
+# The gateway's largest request body: a 128K-token prompt is ~0.5 MB of text or ~1 MB of
+# JSON token ids, so 16 MiB leaves room with margin and refuses what only a mistake or an
+# attack sends.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024

@@ -146,6 +146,19 @@ class PrefillResult:
         return out
 
 
+def result_record(status: JobStatus, result: PrefillResult | None) -> dict:
+    """What ``prefillq result --json`` prints and ``GET /v1/prefill/{id}/result`` returns:
+    the status fields merged with the result's (not its full logits), plus ``chunks``
+    (= ``chunks_done``)."""
+    record = status.to_dict()
+    if result is not None:
+        record.update(result.to_dict())
+        record["chunks"] = result.chunks_done
+    else:
+        record["chunks"] = status.chunks_done
+    return record
+
+
 def _floats(blob: bytes, code: str) -> list:
     values = array.array(code)
     values.frombytes(blob)

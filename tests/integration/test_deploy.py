@@ -14,7 +14,7 @@ def test_compose_file_has_redis_and_worker_services():
     services = compose["services"]
     assert {"redis", "worker"} <= set(services)
     worker = services["worker"]
-    assert worker["build"] == "."
+    assert worker["build"] == {"context": ".", "target": "worker"}
     assert worker["command"][0] == "worker"
     assert "redis://redis:6379/0" in worker["command"]
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -23,11 +23,25 @@ def test_compose_file_has_redis_and_worker_services():
     assert services["dashboard"]["profiles"] == ["dashboard"]
 
 
+def test_compose_file_serves_the_gateway_from_its_light_image():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    gateway = compose["services"]["gateway"]
+    assert gateway["build"] == {"context": ".", "target": "gateway"}
+    command = gateway["command"]
+    assert command[0] == "serve" and "redis://redis:6379/0" in command
+    assert command[command.index("--host") + 1] == "0.0.0.0"  # reachable from the host
+    assert gateway["ports"] == ["8000:8000"]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    stages = [line.split()[-1] for line in (ROOT / "Dockerfile").read_text().splitlines()
+              if line.startswith("FROM ")]
+    assert stages[-1] == "worker" and "gateway" in stages  # a plain build is the worker
+
+
 def test_dockerfile_preloads_openblas_and_installs_the_worker():
     text = (ROOT / "Dockerfile").read_text()
     assert "libopenblas0-pthread" in text
     assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3" in text
-    assert '".[worker]"' in text
+    assert '".[worker]"' in text and '".[gateway]"' in text
     assert 'ENTRYPOINT ["prefillq"]' in text
 
 

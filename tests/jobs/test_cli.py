@@ -127,3 +127,13 @@ def test_a_bad_messages_file_is_a_one_line_error(redis_server, tmp_path):
     both = light_prefillq("submit", "--redis", redis_server, "--prompt", "x",
                           "--messages-file", str(path))
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_serve_needs_only_the_gateway_extra_and_says_so_without_it():
+    helped = light_prefillq("serve", "--help")
+    assert helped.returncode == 0 and "--api-key" in helped.stdout
+    proc = light_prefillq("serve", "--port", "1", blocked=("model", *WORKER_EXTRA, "fastapi"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "prefillq: error: `prefillq serve` needs the gateway extra (missing fastapi): "
+        "pip install 'prefillq[gateway]'"]

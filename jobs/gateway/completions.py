@@ -1,0 +1,225 @@
+"""OpenAI-compatible ``POST /v1/completions`` for scoring: the legacy completions request and
+response, answered by prefill jobs.
+
+A prefill computes the prompt's distribution, so a completion here is at most one token: the
+argmax of the final logits (``max_tokens`` of 1, the default) or none (``max_tokens`` of 0).
+``echo`` returns the prompt; ``logprobs=K`` gives each token's log-probability and the top K
+alternatives, computed by the worker (``prompt_logprobs=K``) for the prompt's positions.
+``prompt`` may be a string, a list of strings, a list of token ids or a list of such lists;
+a batch is one job per prompt, interleaved by the queue. This is what lm-evaluation-harness's
+``local-completions`` model sends for log-likelihoods (``lm_eval/models/openai_completions.py``):
+it sums ``token_logprobs[ctxlen:-1]`` and compares each with ``max(top_logprobs[i])``.
+
+Sampling cannot be honoured: ``temperature`` must be 0 (or absent) when a token is asked for,
+and ``n``, ``best_of`` above 1, ``stream``, ``suffix`` and ``logit_bias`` are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..defaults import DEFAULT_MODEL, MAX_TOP_K
+from ..errors import InvalidRequest, JobCanceled, JobFailed
+from ..schema import PrefillResult
+from ..tokenizer import ServedTokenizer
+from .deps import Client, ClientGone, require_api_key, unless_disconnected
+from .errors import error_response, failed_job_status
+from .liveness import require_live_worker
+
+# Prompts one request may carry; a larger batch is a job for the native API.
+MAX_BATCH = 1024
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (OpenAI's legacy completions). Strict: ``"1"``
+    is not 1. Unknown fields are accepted and ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str = DEFAULT_MODEL
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 1
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    temperature: float | None = None
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+def check_request(req: CompletionRequest) -> None:
+    """Raise InvalidRequest for what a prefill cannot answer, naming the field."""
+    tokens = 1 if req.max_tokens is None else req.max_tokens
+    if tokens not in (0, 1):
+        raise InvalidRequest(f"max_tokens must be 0 or 1, got {tokens}: this service only "
+                             "prefills (the one token is the argmax of the final logits)")
+    if tokens and req.temperature not in (None, 0.0):
+        raise InvalidRequest("temperature must be 0: the one token is the argmax of the final "
+                             "logits, not a sample")
+    if req.n != 1 or req.best_of not in (None, 1):
+        raise InvalidRequest("n and best_of must be 1: a prefill has one greedy completion")
+    if req.stream:
+        raise InvalidRequest("stream is not supported: GET /v1/prefill/{id}/events streams a "
+                             "job's progress")
+    if req.suffix:
+        raise InvalidRequest("suffix is not supported")
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported")
+
+
+def prompt_inputs(prompt: str | list) -> list[dict[str, Any]]:
+    """Each prompt of a request as `submit`'s input, ``{"prompt": text}`` or
+    ``{"tokens": ids}``. Raises InvalidRequest for an empty or oversized batch."""
+    if isinstance(prompt, str):
+        batch: Sequence = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        batch = [prompt]  # one prompt of token ids
+    else:
+        batch = prompt
+    if not batch:
+        raise InvalidRequest("prompt is empty")
+    if len(batch) > MAX_BATCH:
+        raise InvalidRequest(f"prompt holds {len(batch)} prompts; at most {MAX_BATCH}")
+    return [{"prompt": p} if isinstance(p, str) else {"tokens": list(p)} for p in batch]
+
+
+def job_options(req: CompletionRequest) -> dict[str, Any]:
+    """The `submit` keywords every job of `req` shares: top_k covers the argmax and the
+    ``logprobs`` alternatives; echoed logprobs need the prompt's."""
+    options: dict[str, Any] = {"model": req.model, "top_k": max(req.logprobs or 0, 1)}
+    if req.echo and req.logprobs is not None:
+        options["prompt_logprobs"] = req.logprobs
+    return options
+
+
+def needs_tokenizer(req: CompletionRequest, inputs: Sequence[dict]) -> bool:
+    """Token strings are needed for logprobs, and the text of token-id prompts for echo."""
+    return req.logprobs is not None or (req.echo and any("tokens" in i for i in inputs))
+
+
+@dataclass
+class Scored:
+    """One prompt's job: its input, and its result once finished."""
+
+    input: dict[str, Any]
+    result: PrefillResult
+
+
+def choice(index: int, scored: Scored, req: CompletionRequest,
+           tokenizer: ServedTokenizer | None) -> dict[str, Any]:
+    """One ``choices[]`` entry: ``text`` (the prompt when echoed, then the token when
+    ``max_tokens`` is 1) and ``logprobs`` (None unless asked for)."""
+    result, generate = scored.result, (1 if req.max_tokens is None else req.max_tokens)
+    generated = result.top_k[0].piece if generate else ""
+    prompt_text = ""
+    if req.echo:
+        prompt_text = scored.input.get("prompt")
+        if prompt_text is None:
+            prompt_text = tokenizer.decode(scored.input["tokens"])
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = logprobs_of(result, req, tokenizer, generate)
+    return {"index": index, "text": prompt_text + generated, "logprobs": logprobs,
+            "finish_reason": "length"}
+
+
+def logprobs_of(result: PrefillResult, req: CompletionRequest, tokenizer: ServedTokenizer,
+                generate: int) -> dict[str, list]:
+    """The legacy ``logprobs`` object: ``tokens``, ``token_logprobs`` (None for the first
+    echoed token, which has no context), ``top_logprobs`` (K strings -> logprob, highest
+    first; None for the first echoed token) and ``text_offset`` (each token's character
+    offset in ``text``)."""
+    entries: list[tuple[int, float | None, list[dict] | None]] = []
+    if req.echo:
+        for i, e in enumerate(result.prompt_logprobs[:-1]):
+            entries.append((e["token"], e["logprob"], None if i == 0 else e["top"]))
+    if generate:
+        top = [{"id": t.id, "logprob": t.logprob} for t in result.top_k[:req.logprobs]]
+        best = result.top_k[0]
+        entries.append((best.id, best.logprob, top))
+    tokens = [tokenizer.piece(token) for token, _, _ in entries]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob for _, logprob, _ in entries],
+        "top_logprobs": [None if top is None else _top_dict(top, tokenizer)
+                         for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def _top_dict(top: list[dict], tokenizer: ServedTokenizer) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in top:  # highest first: two ids with one string keep the likelier
+        out.setdefault(tokenizer.piece(t["id"]), t["logprob"])
+    return out
+
+
+def response(job_ids: Sequence[str], req: CompletionRequest, scored: Sequence[Scored],
+             tokenizer: ServedTokenizer | None) -> dict[str, Any]:
+    """The ``text_completion`` object of a finished batch."""
+    generate = 1 if req.max_tokens is None else req.max_tokens
+    prompt_tokens = sum(s.result.n_tokens for s in scored)
+    return {
+        "id": f"cmpl-{job_ids[0]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [choice(i, s, req, tokenizer) for i, s in enumerate(scored)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generate * len(scored),
+                  "total_tokens": prompt_tokens + generate * len(scored)},
+    }
+
+
+async def cancel_all(client, job_ids: Sequence[str]) -> None:
+    """Cancel every job of a batch that is given up on (best effort, concurrently)."""
+    await asyncio.gather(*(client.cancel(j) for j in job_ids), return_exceptions=True)
+
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request,
+                      client: Client) -> JSONResponse:
+    """Score a prompt or a batch; blocks until every job ends. A disconnect cancels them."""
+    check_request(req)
+    inputs = prompt_inputs(req.prompt)
+    await require_live_worker(request, req.model)
+    tokenizer = await client.tokenizer(req.model) if needs_tokenizer(req, inputs) else None
+    options = job_options(req)
+    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in inputs),
+                                     return_exceptions=True)
+    job_ids = [j for j in submitted if isinstance(j, str)]
+    refused = next((e for e in submitted if isinstance(e, BaseException)), None)
+    if refused is not None:
+        await cancel_all(client, job_ids)
+        raise refused
+    try:
+        results = await unless_disconnected(
+            request, asyncio.gather(*(client.result(j) for j in job_ids)))
+    except ClientGone:
+        await cancel_all(client, job_ids)
+        return JSONResponse({}, status_code=499)  # nobody reads it; logged as 499, as nginx
+    except JobFailed as e:
+        await cancel_all(client, job_ids)
+        status = failed_job_status(e)
+        return error_response(status, e.error_type, e.message)
+    except JobCanceled as e:
+        await cancel_all(client, job_ids)
+        return error_response(409, "JobCanceled", str(e))
+    scored = [Scored(i, r) for i, r in zip(inputs, results, strict=True)]
+    return JSONResponse(response(job_ids, req, scored, tokenizer))

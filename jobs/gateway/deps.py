@@ -1,0 +1,64 @@
+"""What every route needs from the app: its client, the bearer-token check, and a wait that
+ends early when the HTTP client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+
+from ..aio import AsyncPrefillClient
+from .errors import HTTPError
+
+T = TypeVar("T")
+
+
+def client_of(request: Request) -> AsyncPrefillClient:
+    """The app's `AsyncPrefillClient` (a FastAPI dependency)."""
+    return request.app.state.client
+
+
+# A route's parameter `client: Client` is the app's client.
+Client = Annotated[AsyncPrefillClient, Depends(client_of)]
+
+
+def require_api_key(request: Request) -> None:
+    """Refuse with 401 unless ``Authorization: Bearer <key>`` carries the app's API key (a
+    no-op when the app has none). Compared in constant time."""
+    key: str | None = request.app.state.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), key.encode()):
+        raise HTTPError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer)")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request waited."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, or cancel it and raise ClientGone as soon as the client disconnects.
+
+    Listens for the ASGI ``http.disconnect`` message (the body has been read by now, so the
+    next message is that one), so a disconnect is seen at once, with no polling.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,102 @@
+"""HTTP errors of the gateway: every failure is a JSON body in OpenAI's shape,
+``{"error": {"message": str, "type": str, "code": int}}``, whose ``type`` names the typed
+error (`jobs.errors`) and whose status code follows from it.
+
+The same mapping serves the native endpoints and ``/v1/completions``, so a client sees one
+error format whichever it calls.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ..errors import (
+    InvalidRequest,
+    JobCanceled,
+    JobFailed,
+    JobNotFound,
+    JobTimeout,
+    PrefillQError,
+    PromptTooLong,
+    QueueFull,
+    UnknownModel,
+)
+
+
+class HTTPError(Exception):
+    """An error the gateway itself raises: `status` (HTTP code), `kind` (the body's
+    ``type``) and a message."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class NoWorker(PrefillQError):
+    """The model is registered, but no live worker serves it now (HTTP 503)."""
+
+
+# The first entry an error is an instance of gives its status (subclasses first).
+_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (UnknownModel, 404),
+    (JobNotFound, 404),
+    (PromptTooLong, 413),
+    (InvalidRequest, 400),
+    (QueueFull, 429),
+    (NoWorker, 503),
+    (JobFailed, 409),
+    (JobCanceled, 409),
+    (JobTimeout, 504),
+)
+
+# A failed job's ``error.type`` -> the status a blocking request answers with: the input
+# errors a worker finds after tokenizing are the client's; anything else is ours.
+_FAILED_JOB_STATUS = {"PromptTooLong": 413, "EmptyPrompt": 400, "TokenOutOfRange": 400,
+                      "InvalidRequest": 400, "ChatTemplateError": 400,
+                      "ChatTemplateMissing": 400}
+
+
+def status_of(error: Exception) -> int:
+    """The HTTP status code of a typed error (500 for any other)."""
+    return next((code for cls, code in _STATUS if isinstance(error, cls)), 500)
+
+
+def failed_job_status(error: JobFailed) -> int:
+    """The status of a blocking request whose job failed: 400/413 for input errors found
+    by the worker, 500 for the rest (``ModelError``, ``WorkerLost``, ...)."""
+    return _FAILED_JOB_STATUS.get(error.error_type, 500)
+
+
+def error_body(status: int, kind: str, message: str) -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, kind: str, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, kind, message), status_code=status, headers=headers)
+
+
+async def on_prefillq_error(_: Request, error: PrefillQError) -> JSONResponse:
+    return error_response(status_of(error), type(error).__name__, str(error))
+
+
+async def on_http_error(_: Request, error: HTTPError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return error_response(error.status, error.kind, str(error), headers)
+
+
+async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    """A body that does not parse as the endpoint's schema: 400, not FastAPI's 422, naming
+    the first offending field."""
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid body"}
+    where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+    return error_response(400, "InvalidRequest", f"{where}: {first['msg']}")
+
+
+HANDLERS = {
+    PrefillQError: on_prefillq_error,
+    HTTPError: on_http_error,
+    RequestValidationError: on_validation_error,
+}

@@ -1,0 +1,135 @@
+"""The native jobs API: `AsyncPrefillClient` over HTTP.
+
+- ``POST /v1/prefill``: `submit`'s fields as a JSON object; 202 with the job id and a
+  ``Location`` header.
+- ``GET /v1/prefill/{id}``: the status, as ``prefillq status --json`` prints it.
+- ``GET /v1/prefill/{id}/result?wait=S``: the result as ``prefillq result --json`` prints it
+  (plus ``logits`` for ``logits="full"``); 202 with the status while the job is not
+  terminal after `S` seconds (default 0); 409 ``JobFailed``/``JobCanceled`` with the status.
+- ``DELETE /v1/prefill/{id}``: cancel (idempotent).
+- ``GET /v1/prefill/{id}/events``: Server-Sent Events, one per status change (each chunk's
+  cursor, ``n_tokens`` and ``progress``; chunks that end faster than the stream is read are
+  coalesced), the terminal one last, with the event name ``status`` or the terminal state.
+- ``GET /v1/models``: the registered models, in OpenAI's list shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from ..errors import InvalidRequest, JobCanceled, JobFailed, JobTimeout
+from ..schema import JobStatus, result_record
+from .deps import Client, ClientGone, require_api_key, unless_disconnected
+from .errors import error_body
+from .liveness import require_live_worker
+
+# What `submit` takes from a body; anything else is refused, so a typo is not ignored.
+SUBMIT_FIELDS = frozenset({
+    "prompt", "tokens", "messages", "add_generation_prompt", "model", "top_k", "logits",
+    "parse_special", "session", "priority", "prompt_logprobs", "chunk_tokens",
+    "idempotency_key", "max_attempts",
+})
+# Longest `?wait=` (s): a longer wait belongs in a loop of waits or in `/events`.
+MAX_WAIT_S = 600.0
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object. Raises InvalidRequest otherwise."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise InvalidRequest(f"the body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def submit_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` as `submit`'s keywords. Raises InvalidRequest naming an unknown field."""
+    unknown = sorted(set(body) - SUBMIT_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0]!r}; the fields are "
+                             + ", ".join(sorted(SUBMIT_FIELDS)))
+    return body
+
+
+@router.post("/v1/prefill", status_code=202)
+async def create(request: Request,
+                 client: Client) -> JSONResponse:
+    """Enqueue a prefill: 202 ``{"job_id", "state": "queued"}``."""
+    fields = submit_fields(await json_object(request))
+    await require_live_worker(request, fields.get("model"))
+    job_id = await client.submit(**fields)
+    return JSONResponse({"job_id": job_id, "state": "queued"}, status_code=202,
+                        headers={"Location": f"/v1/prefill/{job_id}"})
+
+
+async def existing(job_id: str, client: Client) -> JobStatus:
+    """The job's status (a dependency, so a missing job is a 404 before any stream starts)."""
+    return await client.status(job_id)
+
+
+Job = Annotated[JobStatus, Depends(existing)]
+
+
+@router.get("/v1/prefill/{job_id}")
+async def status(job: Job) -> dict:
+    return job.to_dict()
+
+
+@router.get("/v1/prefill/{job_id}/result")
+async def result(request: Request, job_id: str, client: Client,
+                 wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S,
+                                     description="seconds to wait for a terminal state"),
+                 ) -> JSONResponse:
+    """200 with the result once finished; 202 with the status while it is not terminal."""
+    try:
+        done = await unless_disconnected(request, client.result(job_id, timeout=wait))
+    except JobTimeout:
+        return JSONResponse((await client.status(job_id)).to_dict(), status_code=202)
+    except (JobFailed, JobCanceled) as e:
+        body = error_body(409, type(e).__name__, str(e))
+        body["job"] = (await client.status(job_id)).to_dict()
+        return JSONResponse(body, status_code=409)
+    except ClientGone:
+        return JSONResponse({}, status_code=499)  # nobody reads it; logged as 499, as nginx
+    record = result_record(await client.status(job_id), done)
+    if done.logits is not None:
+        record["logits"] = done.logits.tolist()
+    return JSONResponse(record)
+
+
+@router.delete("/v1/prefill/{job_id}")
+async def cancel(job_id: str, client: Client) -> dict:
+    """``{"job_id", "changed": bool, "state"}``: ``changed`` is False when the job had ended
+    or a cancel was already pending; a prefilling job stops at its next chunk boundary."""
+    changed = await client.cancel(job_id)
+    return {"job_id": job_id, "changed": changed,
+            "state": (await client.status(job_id)).state.value}
+
+
+@router.get("/v1/prefill/{job_id}/events", response_class=EventSourceResponse)
+async def events(job: Job,
+                 client: Client
+                 ) -> AsyncIterator[ServerSentEvent]:
+    async for now in client.watch(job.job_id):
+        name = now.state.value if now.state.is_terminal else "status"
+        yield ServerSentEvent(event=name, data=now.to_dict())
+
+
+@router.get("/v1/models")
+async def models(client: Client) -> dict:
+    """OpenAI's ``{"object": "list", "data": [...]}``, each model with its serving limits."""
+    registered = await client.models()
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "prefillq",
+         "context_length": info.context_length, "vocab_size": info.vocab_size,
+         "architecture": info.architecture, "sha256": info.sha256}
+        for name, info in sorted(registered.items())]}

@@ -1,0 +1,97 @@
+"""``/health`` and ``/metrics`` (Prometheus text format), open without the API key as
+monitoring expects. Both read the cluster's numbers from Redis (`jobs.stats`), so every
+gateway replica reports the whole cluster, whichever worker did the work."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from redis.exceptions import RedisError
+
+from ..stats import ClusterStats, read_cluster_stats
+from .deps import Client
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(client: Client) -> JSONResponse:
+    """200 when Redis answers and at least one live worker serves a model; 503 otherwise.
+    The body: ``status``, ``redis`` (reachable), ``workers`` (alive) and, per registered
+    model, its ``live_workers``."""
+    try:
+        stats = await read_cluster_stats(client.redis)
+    except (RedisError, OSError) as e:
+        return JSONResponse({"status": "unavailable", "redis": False,
+                             "error": type(e).__name__}, status_code=503)
+    serving = any(n > 0 for n in stats.live_workers.values())
+    body = {"status": "ok" if serving else "no live worker", "redis": True,
+            "workers": stats.workers_alive,
+            "models": {m: {"live_workers": n} for m, n in sorted(stats.live_workers.items())}}
+    return JSONResponse(body, status_code=200 if serving else 503)
+
+
+@router.get("/metrics")
+async def metrics(client: Client) -> Response:
+    """The cluster's numbers in Prometheus's text format (`Snapshot` names them)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot(await read_cluster_stats(client.redis)))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class Snapshot:
+    """A prometheus-client collector of one `ClusterStats` read.
+
+    Families: ``prefillq_jobs_total{state}`` (submitted, finished, failed, canceled),
+    ``prefillq_jobs_current{state}`` (queued, prefilling now), ``prefillq_queue_depth{model}``,
+    ``prefillq_routed_queue_depth``, ``prefillq_tokens_prefilled_total``,
+    ``prefillq_chunk_seconds`` (histogram of chunk forward passes),
+    ``prefillq_workers{state}`` (alive, dead) and ``prefillq_live_workers{model}``.
+    """
+
+    def __init__(self, stats: ClusterStats):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        jobs = CounterMetricFamily("prefillq_jobs", "Jobs submitted, and ended by state",
+                                   labels=["state"])
+        for state, n in s.totals().items():
+            jobs.add_metric([state], n)
+        now = GaugeMetricFamily("prefillq_jobs_current", "Jobs waiting or prefilling now",
+                                labels=["state"])
+        now.add_metric(["queued"], s.queued)
+        now.add_metric(["prefilling"], s.prefilling)
+        depth = GaugeMetricFamily("prefillq_queue_depth",
+                                  "Jobs in a model's intake queues", labels=["model"])
+        for model, n in sorted(s.queue_depth.items()):
+            depth.add_metric([model], n)
+        yield from (jobs, now, depth)
+        yield GaugeMetricFamily("prefillq_routed_queue_depth",
+                                "Jobs in workers' own queues (sessions' next turns)",
+                                value=s.routed)
+        yield CounterMetricFamily("prefillq_tokens_prefilled",
+                                  "Tokens run through a forward pass", value=s.tokens_prefilled)
+        h = s.chunks
+        buckets = [(repr(float(b)), n) for b, n in zip(h.bounds, h.cumulative, strict=False)]
+        yield HistogramMetricFamily("prefillq_chunk_seconds", "Seconds of a chunk's forward pass",
+                                    buckets=[*buckets, ("+Inf", h.cumulative[-1])],
+                                    sum_value=h.sum_seconds)
+        workers = GaugeMetricFamily("prefillq_workers", "Registered workers by heartbeat",
+                                    labels=["state"])
+        workers.add_metric(["alive"], s.workers_alive)
+        workers.add_metric(["dead"], s.workers_dead)
+        live = GaugeMetricFamily("prefillq_live_workers", "Live workers serving a model",
+                                 labels=["model"])
+        for model, n in sorted(s.live_workers.items()):
+            live.add_metric([model], n)
+        yield from (workers, live)

@@ -1,0 +1,123 @@
+"""`prefillq serve` as a real uvicorn process, with a real worker process and redis-server:
+the `openai` Python client's scoring call, a disconnect canceling its job, and the SSE
+stream arriving while the job runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+
+from jobs import PrefillClient
+from tests.conftest import RedisServer
+from tests.integration.processes import MODEL, WorkerProcess, ids, wait_for
+from worker.redis_server import free_port
+
+openai = pytest.importorskip("openai")
+
+
+class GatewayProcess:
+    """``prefillq serve`` as a child process; its log goes to a file."""
+
+    def __init__(self, redis_url: str, tmp_path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / "gateway.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", "--redis", redis_url,
+             "--port", str(self.port), "--log-level", "warning", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(self._up, 60, "the gateway did not start")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"the gateway exited:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code in (200, 503)
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway-server")
+    server = RedisServer(tmp).start()
+    worker = WorkerProcess(server.url, "gws1", tmp)
+    gateway = GatewayProcess(server.url, tmp, "--api-key", "k3y")
+    yield server, worker, gateway
+    gateway.stop()
+    worker.stop()
+    server.stop()
+
+
+def test_the_openai_client_scores_a_prompt_as_the_native_job_does(stack):
+    server, _, gateway = stack
+    token_ids = ids(10, 11)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k3y")
+    completion = client.completions.create(model=MODEL, prompt=[token_ids], max_tokens=1,
+                                           logprobs=1, echo=True, temperature=0)
+    lp = completion.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(token_ids) + 1 and lp.token_logprobs[0] is None
+    native_client = PrefillClient.from_url(server.url)
+    native = native_client.result(native_client.submit(
+        tokens=token_ids, model=MODEL, top_k=1, prompt_logprobs=1), timeout=60)
+    assert lp.token_logprobs == ([e["logprob"] for e in native.prompt_logprobs[:-1]]
+                                 + [native.top_k[0].logprob])
+    assert completion.usage.prompt_tokens == len(token_ids)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="wrong").completions.create(
+            model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be 0 or 1"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5)
+
+
+def jobs_in(conn) -> list[str]:
+    return [k.decode().split("{")[1].split("}")[0] for k in conn.scan_iter("prefillq:{*}:job")]
+
+
+def test_a_disconnected_scoring_request_cancels_its_job(stack):
+    server, worker, gateway = stack
+    conn = redis.Redis.from_url(server.url)
+    before = set(jobs_in(conn))
+    body = {"model": MODEL, "prompt": ids(4000, 12), "max_tokens": 1}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/completions", json=body, timeout=1.5,
+                   headers={"authorization": "Bearer k3y"})
+    (job,) = set(jobs_in(conn)) - before
+    client = PrefillClient.from_url(server.url)
+    wait_for(lambda: client.status(job).state.value == "canceled", 30,
+             "the disconnect did not cancel the job", worker)
+    assert 0 < client.status(job).cursor < 4000
+
+
+def test_events_arrive_while_the_job_runs(stack):
+    server, _, gateway = stack
+    headers = {"authorization": "Bearer k3y"}
+    job = httpx.post(gateway.url + "/v1/prefill", headers=headers,
+                     json={"tokens": ids(400, 13), "model": MODEL}).json()["job_id"]
+    seen: list[tuple[float, dict]] = []
+    with httpx.stream("GET", f"{gateway.url}/v1/prefill/{job}/events", headers=headers,
+                      timeout=60) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                seen.append((time.time(), json.loads(line[len("data: "):])))
+    finished = seen[-1][1]
+    assert finished["state"] == "finished"
+    running = [at for at, s in seen if s["state"] == "prefilling" and 0 < s["cursor"] < 400]
+    assert len(running) >= 5
+    assert running[0] < finished["finished_at"]  # streamed while it ran, not at the end
