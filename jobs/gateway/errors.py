@@ -21,6 +21,7 @@ from ..errors import (
     PrefillQError,
     PromptTooLong,
     QueueFull,
+    TokenizerUnavailable,
     UnknownModel,
 )
 
@@ -46,6 +47,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (InvalidRequest, 400),
     (QueueFull, 429),
     (NoWorker, 503),
+    (TokenizerUnavailable, 503),
     (JobFailed, 409),
     (JobCanceled, 409),
     (JobTimeout, 504),
@@ -87,9 +89,13 @@ async def on_http_error(_: Request, error: HTTPError) -> JSONResponse:
     return error_response(error.status, error.kind, str(error), headers)
 
 
-async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """A body that does not parse as the endpoint's schema: 400, not FastAPI's 422, naming
-    the first offending field."""
+    the first offending field (or the missing JSON content type, curl's usual mistake)."""
+    kind = request.headers.get("content-type", "")
+    if request.method in ("POST", "PUT") and "json" not in kind:
+        return error_response(400, "InvalidRequest", "send the body as JSON with "
+                              f"'Content-Type: application/json' (got {kind or 'none'!r})")
     first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid body"}
     where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
     return error_response(400, "InvalidRequest", f"{where}: {first['msg']}")

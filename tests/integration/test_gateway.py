@@ -210,6 +210,18 @@ async def test_a_model_without_a_live_worker_is_503(http, url):
         conn.hdel(keys.MODELS, "ghost")
 
 
+async def test_a_model_whose_workers_published_no_tokenizer_is_503_on_tokenize(http, url):
+    conn = redis.Redis.from_url(url)  # as an older worker registers: no tokenizer blob
+    info = {"vocab_size": 512, "context_length": 128, "architecture": "gemma3",
+            "sha256": "1" * 64}
+    conn.hset(keys.MODELS, "legacy", packb(info))
+    try:
+        response = await http.post("/tokenize", json={"model": "legacy", "prompt": "x"})
+        assert error_of(response, 503) == "TokenizerUnavailable"
+    finally:
+        conn.hdel(keys.MODELS, "legacy")
+
+
 async def test_the_api_key_guards_all_but_health_and_metrics(url):
     async with gateway(url, api_key="s3cret") as http:
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/prefill"),
@@ -397,3 +409,10 @@ def test_the_gateway_never_imports_mlx():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+async def test_a_body_without_the_json_content_type_is_told_so(http):
+    response = await http.post("/v1/completions", content=b'{"prompt": "x"}',
+                               headers={"content-type": "application/x-www-form-urlencoded"})
+    assert error_of(response, 400) == "InvalidRequest"
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
