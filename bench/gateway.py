@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -119,24 +120,27 @@ async def _polls(poll, seconds: float, concurrency: int) -> float:
     return done / (time.perf_counter() - t0)
 
 
-async def _poll_rates(gateway_url: str, redis_url: str, job: str) -> tuple[float, float]:
+async def _poll_rates(gateway_url: str, redis_url: str, job: str,
+                      seconds: float) -> tuple[float, float]:
     limits = httpx.Limits(max_connections=POLL_CONCURRENCY)
     async with httpx.AsyncClient(base_url=gateway_url, limits=limits) as http:
         async def http_poll() -> None:
             (await http.get(f"/v1/prefill/{job}")).raise_for_status()
 
-        over_http = await _polls(http_poll, POLL_SECONDS, POLL_CONCURRENCY)
+        over_http = await _polls(http_poll, seconds, POLL_CONCURRENCY)
     async with AsyncPrefillClient.from_url(redis_url) as native:
         async def native_poll() -> None:
             await native.status(job)
 
-        direct = await _polls(native_poll, POLL_SECONDS, POLL_CONCURRENCY)
+        direct = await _polls(native_poll, seconds, POLL_CONCURRENCY)
     return over_http, direct
 
 
-def measure(rec: Recorder, model: str, rounds: int = ROUNDS) -> None:
+def measure(rec: Recorder, model: str, rounds: int = ROUNDS, poll_seconds: float = POLL_SECONDS,
+            ids: Callable[[int], list[int]] = prompt_ids) -> None:
     """Record ``gateway_over_native``, ``gateway_overhead_ms``, ``status_polls_per_s`` and
-    ``native_status_polls_per_s`` (see the module docstring)."""
+    ``native_status_polls_per_s`` (see the module docstring). `ids(n)`: a prompt of `n`
+    token ids of `model` (default: real Gemma 3 ids)."""
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -149,18 +153,19 @@ def measure(rec: Recorder, model: str, rounds: int = ROUNDS) -> None:
             _wait(lambda: native.redis.exists(keys.worker_heartbeat("b1")), 300, "the worker")
             _wait(lambda: _up(url), 60, "the gateway")
             with httpx.Client(base_url=url, timeout=600) as http:
-                scoring = Pair(http, native, model, prompt_ids(SCORING_TOKENS), logprobs=True)
-                short = Pair(http, native, model, prompt_ids(SHORT_TOKENS), logprobs=False)
+                scoring = Pair(http, native, model, ids(SCORING_TOKENS), logprobs=True)
+                short = Pair(http, native, model, ids(SHORT_TOKENS), logprobs=False)
                 for pair in (scoring, short):  # first requests load the tokenizer, warm MLX
                     pair.through_http(), pair.through_native()
                 log(f"gateway: scoring {SCORING_TOKENS} tokens, {rounds} rounds each way")
                 http_s, native_s, ratios = scoring.measure(rounds)
                 log(f"gateway: a short prefill of {SHORT_TOKENS} tokens, {rounds * 2} rounds")
                 short_http_s, short_native_s, _ = short.measure(rounds * 2)
-            job = native.submit(tokens=prompt_ids(SHORT_TOKENS), model=model, top_k=1)
+            job = native.submit(tokens=ids(SHORT_TOKENS), model=model, top_k=1)
             native.result(job, timeout=600)
-            log(f"gateway: status polls, {POLL_CONCURRENCY} concurrent, {POLL_SECONDS} s")
-            polls_http, polls_native = asyncio.run(_poll_rates(url, server.url, job))
+            log(f"gateway: status polls, {POLL_CONCURRENCY} concurrent, {poll_seconds} s")
+            polls_http, polls_native = asyncio.run(
+                _poll_rates(url, server.url, job, poll_seconds))
         finally:
             for proc in procs:
                 proc.terminate()
@@ -177,10 +182,10 @@ def measure(rec: Recorder, model: str, rounds: int = ROUNDS) -> None:
         how="a plain prefill (top_k=1) through /v1/completions minus through PrefillClient, "
             "best of each, alternating")
     rec("status_polls_per_s", polls_http, "req/s", concurrency=POLL_CONCURRENCY,
-        seconds=POLL_SECONDS, how="GET /v1/prefill/{id} of a finished job, httpx keep-alive "
+        seconds=poll_seconds, how="GET /v1/prefill/{id} of a finished job, httpx keep-alive "
             "clients against one uvicorn process")
     rec("native_status_polls_per_s", polls_native, "calls/s", concurrency=POLL_CONCURRENCY,
-        seconds=POLL_SECONDS, how="AsyncPrefillClient.status of the same job, same concurrency")
+        seconds=poll_seconds, how="AsyncPrefillClient.status of the same job, same concurrency")
 
 
 def _context(model: str) -> dict:

@@ -100,3 +100,19 @@ def test_session_turn_over_cold_runs_on_the_tiny_model(capsys, tiny):
     assert record["reuse"] == "live" and record["cached_tokens"] in (200, 216)
     assert len(record["ratios"]) == 2
     assert record["value"] == pytest.approx(min(record["ratios"]), abs=1e-4)
+
+
+def test_gateway_bench_runs_worker_and_gateway_processes(capsys):
+    from bench.gateway import measure
+
+    rec = Recorder(True, {})
+    measure(rec, "gemma3-tiny", rounds=1, poll_seconds=0.2,
+            ids=lambda n: [2, *((260 + i) % 365 for i in range(n - 1))])
+    metrics = {r["metric"]: r for r in rec.records}
+    assert set(metrics) == {"gateway_over_native", "gateway_overhead_ms", "status_polls_per_s",
+                            "native_status_polls_per_s"}
+    assert metrics["gateway_over_native"]["value"] > 0 and "holds" in metrics[
+        "gateway_over_native"]
+    assert metrics["status_polls_per_s"]["value"] > 0
+    assert all(json.loads(line)["metric"] in metrics
+               for line in capsys.readouterr().out.splitlines())
