@@ -266,6 +266,41 @@ async def test_echo_logprobs_equal_the_native_prompt_logprobs(http, sync):
     assert scored["object"] == "text_completion" and choice["finish_reason"] == "length"
 
 
+def lm_eval_loglikelihood(response: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """What lm-evaluation-harness's ``LocalCompletionsAPI.parse_logprobs``
+    (``lm_eval/models/openai_completions.py``) computes from a response: per choice, the
+    sum of ``token_logprobs[ctxlen:-1]`` and whether every one equals the best alternative."""
+    out = []
+    for choice, ctxlen in zip(sorted(response["choices"], key=lambda c: c["index"]), ctxlens,
+                              strict=True):
+        logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        out.append((sum(logprobs), all(lp == max(top.values())
+                                       for lp, top in zip(logprobs, tops, strict=True))))
+    return out
+
+
+async def test_lm_evals_loglikelihood_of_a_greedy_and_a_non_greedy_continuation(http, sync):
+    context = ids(10, 21)
+    greedy = []
+    for _ in range(3):  # the greedy continuation, a token at a time through native jobs
+        done = sync.result(sync.submit(tokens=context + greedy, model=MODEL, top_k=2),
+                           timeout=60)
+        greedy.append(done.top_k[0].id)
+    runner_up = done.top_k[1].id  # the second best last token
+    body = {"model": MODEL, "prompt": [context + greedy, context + greedy[:2] + [runner_up]],
+            "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
+    response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    (greedy_lp, greedy_is), (other_lp, other_is) = lm_eval_loglikelihood(
+        response.json(), [len(context)] * 2)
+    assert greedy_is is True and other_is is False
+    native = sync.result(sync.submit(tokens=context + greedy, model=MODEL, top_k=1,
+                                     prompt_logprobs=1), timeout=60)
+    expected = sum(e["logprob"] for e in native.prompt_logprobs[len(context):-1])
+    assert greedy_lp == expected and other_lp < greedy_lp
+
+
 async def test_a_batch_is_one_job_per_prompt_in_order(http, sync):
     prompts = [ids(6, 6), ids(9, 7), ids(5, 8)]
     response = await http.post("/v1/completions", json={
