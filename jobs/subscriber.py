@@ -111,6 +111,10 @@ class Subscriber:
         self._channels: dict[bytes, _Channel] = {}
         self._task: asyncio.Task | None = None
         self._dirty: asyncio.Event | None = None
+        # channels the sync must look at (a waiter count crossed 0, a stray message), or
+        # all of them after a (re)start or a reconnect: a sync costs O(changes)
+        self._changed: set[bytes] = set()
+        self._check_all = False
         # the tasks also stop on this: redis-py's sends (asyncio.wait_for before Python
         # 3.12) can swallow a cancellation, which would leave a loop running
         self._closing = False
@@ -136,13 +140,13 @@ class Subscriber:
         waiter = Subscription(woken=entry.confirmed)
         entry.waiters.add(waiter)
         if len(entry.waiters) == 1:
-            self._dirty.set()
+            self._changed_channel(name)
         try:
             yield waiter
         finally:
             entry.waiters.discard(waiter)
             if not entry.waiters and self.running:
-                self._dirty.set()
+                self._changed_channel(name)
             elif not entry.waiters and self._channels.get(name) is entry:
                 del self._channels[name]  # stopped: no connection holds it any more
 
@@ -165,7 +169,7 @@ class Subscriber:
             return
         self._closing = False
         self._dirty = asyncio.Event()
-        self._dirty.set()  # a restart subscribes every channel that has waiters
+        self._check_all_channels()  # a restart subscribes every channel that has waiters
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name="prefillq-subscriber")
         self._task.add_done_callback(_log_crash)
@@ -235,9 +239,9 @@ class Subscriber:
                 for waiter in entry.waiters:
                     waiter.wake()
             elif kind == "unsubscribe":
-                self._dirty.set()  # the sync subscribes it again if nothing else will
+                self._changed_channel(name)  # the sync subscribes it again if need be
         elif kind in ("message", "subscribe"):
-            self._dirty.set()  # e.g. a reconnect re-subscribed a channel nobody waits on
+            self._changed_channel(name)  # e.g. re-subscribed on a reconnect, now idle
 
     async def _sync_loop(self) -> None:
         delay = 0.0
@@ -249,12 +253,20 @@ class Subscriber:
                 delay = 0.0
             except CONNECTION_ERRORS as e:
                 log.warning("pub/sub (un)subscribe failed (%s); again in %.2f s", e, delay)
-                self._dirty.set()
+                self._check_all_channels()
                 await asyncio.sleep(delay)
                 delay = next_delay(delay)
 
-    def _reconnected(self, connection) -> None:
+    def _changed_channel(self, name: bytes) -> None:
+        self._changed.add(name)
         self._dirty.set()
+
+    def _check_all_channels(self) -> None:
+        self._check_all = True
+        self._dirty.set()
+
+    def _reconnected(self, connection) -> None:  # a connect callback (kept as a weak method)
+        self._check_all_channels()
 
     async def _sync(self) -> None:
         """SUBSCRIBE the channels with waiters and UNSUBSCRIBE those without, each a single
@@ -263,16 +275,27 @@ class Subscriber:
         for another sync."""
         if not self._pubsub.connection.is_connected:
             return
-        # what redis-py keeps subscribed across reconnects, less what is leaving
-        live = set(self._pubsub.channels) - self._pubsub.pending_unsubscribe_channels
-        wanted = {name for name, entry in self._channels.items() if entry.waiters}
-        for name in [name for name, entry in self._channels.items() if not entry.waiters]:
-            # kept until now so that a waiter entering meanwhile found it still confirmed
-            del self._channels[name]
-        if wanted - live:
-            await self._pubsub.subscribe(*(wanted - live))
-        if live - wanted:
-            await self._pubsub.unsubscribe(*(live - wanted))
+        names, self._changed = self._changed, set()
+        if self._check_all:
+            names |= set(self._channels) | set(self._pubsub.channels)
+            self._check_all = False
+        add, drop = [], []
+        for name in names:
+            entry = self._channels.get(name)
+            # what redis-py keeps subscribed across reconnects, less what is leaving
+            live = (name in self._pubsub.channels
+                    and name not in self._pubsub.pending_unsubscribe_channels)
+            if entry is not None and not entry.waiters:
+                # kept until now so that a waiter entering meanwhile found it confirmed
+                del self._channels[name]
+            if entry is not None and entry.waiters and not live:
+                add.append(name)
+            elif (entry is None or not entry.waiters) and live:
+                drop.append(name)
+        if add:
+            await self._pubsub.subscribe(*add)
+        if drop:  # on a failure the sync loop checks every channel again
+            await self._pubsub.unsubscribe(*drop)
 
 
 def _log_crash(task: asyncio.Task) -> None:
