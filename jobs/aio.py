@@ -2,7 +2,8 @@
 
 The same methods, arguments, results and typed errors as the sync client (both build and
 decode through `jobs.protocol`); every call awaits Redis instead of blocking the event
-loop. Imports redis, rq and msgpack only, never MLX.
+loop, and every waiting `watch` or `result` shares one pub/sub connection
+(`jobs.subscriber`). Imports redis, rq and msgpack only, never MLX.
 """
 
 from __future__ import annotations
@@ -28,23 +29,25 @@ from .queues import intake_levels, push_new, rq_queue_key
 from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL
+from .subscriber import Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
 # Connections `from_url` opens for commands; beyond them a call waits for a free one
 # (redis.asyncio's plain pool raises MaxConnectionsError at 100 concurrent calls).
 DEFAULT_MAX_CONNECTIONS = 64
-# Connections for pub/sub: a waiting `watch` or `result` holds one for as long as it waits,
-# so they come from their own pool and can never starve the commands the waits need.
-DEFAULT_MAX_WAITERS = 10_000
 
 
 class AsyncPrefillClient:
     """Asyncio client of the prefill queue (see `PrefillClient` for the semantics).
 
+    Every `watch` and `result` of one client waits through its one `Subscriber`: a single
+    pub/sub connection however many calls wait at once.
+
     Args:
         redis: a redis.asyncio connection (``decode_responses`` must be False).
-        pubsub_redis: the connection `watch` subscribes on (default `redis`); give it its
-            own pool when many waits run at once (`from_url` does).
+        pubsub_redis: the client whose pool lends the subscriber its one connection
+            (default `redis`: one of its connections, from the first wait to `aclose`);
+            ``decode_responses`` False and no ``health_check_interval`` (see `Subscriber`).
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
             set it for the jobs they end; keep the two equal).
@@ -60,6 +63,7 @@ class AsyncPrefillClient:
     ):
         self.redis = redis
         self.pubsub_redis = redis if pubsub_redis is None else pubsub_redis
+        self.subscriber = Subscriber(self.pubsub_redis)
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
         self._cancel = redis.register_script(CANCEL)
@@ -67,20 +71,23 @@ class AsyncPrefillClient:
     @classmethod
     def from_url(cls, url: str | None = None, *,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_waiters: int = DEFAULT_MAX_WAITERS, **kwargs: Any) -> AsyncPrefillClient:
+                 **kwargs: Any) -> AsyncPrefillClient:
         """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``
         (connections open on first use): up to `max_connections` for commands (more
-        concurrent calls wait for one) and `max_waiters` for concurrent `watch`/`result`
-        waits (one more raises redis's MaxConnectionsError)."""
+        concurrent calls wait for one), and one more, of its own, for the pub/sub
+        subscriber every `watch` and `result` waits through. `kwargs` go to the
+        constructor."""
         url = redis_url(url)
         commands = BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                    timeout=None)
-        waits = ConnectionPool.from_url(url, max_connections=max_waiters)
+        # its own pool: commands never queue behind it, and it never waits for a command's
+        pubsub = ConnectionPool.from_url(url, max_connections=1)
         # from_pool: closing the client closes its pool
-        return cls(Redis.from_pool(commands), pubsub_redis=Redis.from_pool(waits), **kwargs)
+        return cls(Redis.from_pool(commands), pubsub_redis=Redis.from_pool(pubsub), **kwargs)
 
     async def aclose(self) -> None:
-        """Close the connection pools."""
+        """Stop the subscriber and close the connection pools."""
+        await self.subscriber.aclose()
         await self.redis.aclose()
         if self.pubsub_redis is not self.redis:
             await self.pubsub_redis.aclose()
@@ -206,25 +213,23 @@ class AsyncPrefillClient:
     async def watch(self, job_id: str, timeout: float | None = None) -> AsyncIterator[JobStatus]:
         """Yield the job's status now and after every change until it is terminal.
 
-        Awaits the job's pub/sub channel (no polling). Raises JobNotFound, and JobTimeout
-        when `timeout` seconds pass before a terminal state.
+        Awaits the job's pub/sub channel on the client's one subscriber (no polling; a
+        re-read at least every WATCH_RECHECK_S covers a lost message). Raises JobNotFound,
+        and JobTimeout when `timeout` seconds pass before a terminal state.
         """
         deadline = protocol.watch_deadline(timeout)
-        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(keys.events(job_id))
-        last = None
-        try:
+        async with self.subscriber.subscribe(keys.events(job_id)) as events:
+            # the first read waits for the SUBSCRIBE's confirmation: no event is missed
+            await events.wait(protocol.subscribe_wait(deadline))
+            last = None
             while True:
-                status = await self.status(job_id)  # read after subscribing: no missed event
+                status = await self.status(job_id)
                 if status != last:
                     yield status
                     last = status
                 if status.state.is_terminal:
                     return
-                wait = protocol.watch_wait(job_id, status, deadline)
-                await pubsub.get_message(timeout=wait)
-        finally:
-            await pubsub.aclose()
+                await events.wait(protocol.watch_wait(job_id, status, deadline))
 
     async def result(self, job_id: str, timeout: float | None = None) -> PrefillResult:
         """Wait up to `timeout` seconds for the job to finish and return its result.

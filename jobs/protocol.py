@@ -119,6 +119,13 @@ def watch_deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
+def subscribe_wait(deadline: float | None) -> float:
+    """Seconds `watch` waits for its channel's SUBSCRIBE to be confirmed before its first
+    read: at most WATCH_RECHECK_S, 0 once `deadline` (monotonic, or None) has passed."""
+    left = WATCH_RECHECK_S if deadline is None else deadline - time.monotonic()
+    return max(0.0, min(left, WATCH_RECHECK_S))
+
+
 def watch_wait(job_id: str, status: JobStatus, deadline: float | None) -> float:
     """Seconds `watch` waits for the next event after seeing a non-terminal `status`.
 
