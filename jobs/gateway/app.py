@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,9 +14,6 @@ from . import completions, native, observe, tokenize
 from .errors import HANDLERS, error_response
 from .limits import BodyLimit, BodyTooLarge
 from .liveness import LiveWorkers
-
-log = logging.getLogger("prefillq.gateway")
-
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -54,7 +50,7 @@ async def _on_body_too_large(_: Request, error: Exception) -> JSONResponse:
     return error_response(413, "RequestTooLarge", str(error))
 
 
-async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
-    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+async def _on_unexpected(_: Request, error: Exception) -> JSONResponse:
+    # Starlette re-raises after this answer, so the server logs the traceback once
     return error_response(500, "InternalError", f"{type(error).__name__}: the gateway failed "
                           "on this request (its log has the traceback)")

@@ -148,10 +148,7 @@ def logprobs_of(result: PrefillResult, req: CompletionRequest, tokenizer: Served
         best = result.top_k[0]
         entries.append((best.id, best.logprob, top))
     tokens = [tokenizer.piece(token) for token, _, _ in entries]
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
+    offsets = text_offsets([token for token, _, _ in entries], tokens, tokenizer)
     return {
         "tokens": tokens,
         "token_logprobs": [logprob for _, logprob, _ in entries],
@@ -159,6 +156,41 @@ def logprobs_of(result: PrefillResult, req: CompletionRequest, tokenizer: Served
                          for _, _, top in entries],
         "text_offset": offsets,
     }
+
+
+# A replacement character in a token's text: a byte-fallback token, part of one character.
+_PARTIAL = "\ufffd"
+# UTF-8 spells a character in at most 4 bytes: bytes still unfinished after this many are
+# invalid ones, and their U+FFFD is the text's.
+_MAX_CHAR_BYTES = 4
+
+
+def text_offsets(ids: Sequence[int], pieces: Sequence[str],
+                 tokenizer: ServedTokenizer) -> list[int]:
+    """Each token's character offset in the decoded text of `ids` (`pieces` are their
+    texts). A token's text is whole characters, except byte-fallback tokens, which carry
+    one byte of a multi-byte character each (their text is U+FFFD): in a run of those, each
+    token gets the offset of the character it starts or is inside. Linear in the tokens:
+    the run is decoded from its last character boundary on."""
+    offsets, at, i = [], 0, 0
+    while i < len(ids):
+        if _PARTIAL not in pieces[i]:
+            offsets.append(at)
+            at += len(pieces[i])
+            i += 1
+            continue
+        boundary = i  # the bytes before it decode to whole characters, `at` of them
+        while i < len(ids) and _PARTIAL in pieces[i]:
+            if i > boundary:
+                # an unfinished character decodes to U+FFFD (some decoders turn every byte
+                # of the run into one then), so only a clean decode ends a character
+                head = tokenizer.decode(ids[boundary:i])
+                if _PARTIAL not in head or i - boundary > _MAX_CHAR_BYTES:
+                    at, boundary = at + len(head), i
+            offsets.append(at)
+            i += 1
+        at += len(tokenizer.decode(ids[boundary:i]))
+    return offsets
 
 
 def _top_dict(top: list[dict], tokenizer: ServedTokenizer) -> dict[str, float]:

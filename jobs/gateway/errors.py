@@ -11,6 +11,8 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
     InvalidRequest,
@@ -89,6 +91,19 @@ async def on_http_error(_: Request, error: HTTPError) -> JSONResponse:
     return error_response(error.status, error.kind, str(error), headers)
 
 
+async def on_redis_error(_: Request, error: RedisError) -> JSONResponse:
+    """Redis unreachable, or refusing a write (``OutOfMemoryError`` under maxmemory): 503,
+    typed by redis-py's class. Its message names the host and port, never a password."""
+    return error_response(503, type(error).__name__, f"Redis: {error}")
+
+
+async def on_starlette_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own errors (no such route, method not allowed) in the same JSON shape."""
+    kinds = {404: "NotFound", 405: "MethodNotAllowed"}
+    return error_response(error.status_code, kinds.get(error.status_code, "HTTPError"),
+                          str(error.detail), getattr(error, "headers", None))
+
+
 async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """A body that does not parse as the endpoint's schema: 400, not FastAPI's 422, naming
     the first offending field (or the missing JSON content type, curl's usual mistake)."""
@@ -103,6 +118,8 @@ async def on_validation_error(request: Request, error: RequestValidationError) -
 
 HANDLERS = {
     PrefillQError: on_prefillq_error,
+    RedisError: on_redis_error,
+    StarletteHTTPException: on_starlette_error,
     HTTPError: on_http_error,
     RequestValidationError: on_validation_error,
 }

@@ -41,7 +41,12 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object. Raises InvalidRequest otherwise."""
+    """The request body as a JSON object, sent as ``application/json`` (as the endpoints
+    with a schema want). Raises InvalidRequest otherwise."""
+    kind = request.headers.get("content-type", "")
+    if "json" not in kind:
+        raise InvalidRequest("send the body as JSON with 'Content-Type: application/json' "
+                             f"(got {kind or 'none'!r})")
     try:
         body = await request.json()
     except ValueError as e:
@@ -63,11 +68,13 @@ def submit_fields(body: dict[str, Any]) -> dict[str, Any]:
 @router.post("/v1/prefill", status_code=202)
 async def create(request: Request,
                  client: Client) -> JSONResponse:
-    """Enqueue a prefill: 202 ``{"job_id", "state": "queued"}``."""
+    """Enqueue a prefill: 202 ``{"job_id", "state"}`` (``queued``, unless an
+    ``idempotency_key`` named an earlier job)."""
     fields = submit_fields(await json_object(request))
     await require_live_worker(request, fields.get("model"))
     job_id = await client.submit(**fields)
-    return JSONResponse({"job_id": job_id, "state": "queued"}, status_code=202,
+    state = (await client.status(job_id)).state  # an idempotent resubmit's job may have run
+    return JSONResponse({"job_id": job_id, "state": state.value}, status_code=202,
                         headers={"Location": f"/v1/prefill/{job_id}"})
 
 

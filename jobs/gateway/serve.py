@@ -21,7 +21,8 @@ def add_serve(sub) -> None:
     add_redis(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 serves every interface)")
-    p.add_argument("--port", type=positive_int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=tcp_port, default=DEFAULT_PORT,
+                   help="TCP port (default %(default)s)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV}; "
                    "off when unset)")
@@ -30,6 +31,16 @@ def add_serve(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 1-65535."""
+    from ..cli import int_at_least
+
+    port = int_at_least(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"want a TCP port (1-65535), got {text!r}")
+    return port
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -177,13 +177,15 @@ async def test_unknown_jobs_are_404_everywhere(http):
 async def test_a_body_over_the_limit_is_413_declared_or_streamed(url):
     async with gateway(url, max_body_bytes=1000) as http:
         big = json.dumps({"tokens": [2] * 600, "model": MODEL}).encode()
-        assert error_of(await http.post("/v1/prefill", content=big), 413) == "RequestTooLarge"
+        headers = {"content-type": "application/json"}
+        assert error_of(await http.post("/v1/prefill", content=big, headers=headers),
+                        413) == "RequestTooLarge"
 
         async def chunks():  # no Content-Length: counted as it streams
             for i in range(0, len(big), 100):
                 yield big[i:i + 100]
 
-        streamed = await http.post("/v1/prefill", content=chunks())
+        streamed = await http.post("/v1/prefill", content=chunks(), headers=headers)
         assert error_of(streamed, 413) == "RequestTooLarge"
         small = await http.post("/v1/prefill", json={"tokens": [2, 3], "model": MODEL})
         assert small.status_code == 202
@@ -446,8 +448,34 @@ def test_the_gateway_never_imports_mlx():
     assert done.stdout.strip() == "[]"
 
 
-async def test_a_body_without_the_json_content_type_is_told_so(http):
-    response = await http.post("/v1/completions", content=b'{"prompt": "x"}',
+@pytest.mark.parametrize("path", ["/v1/prefill", "/v1/completions", "/tokenize"])
+async def test_a_body_without_the_json_content_type_is_told_so(http, path):
+    response = await http.post(path, content=b'{"prompt": "x"}',  # what curl -d sends
                                headers={"content-type": "application/x-www-form-urlencoded"})
     assert error_of(response, 400) == "InvalidRequest"
     assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+async def test_unknown_routes_and_methods_answer_in_the_error_shape(http):
+    assert error_of(await http.get("/v2/nothing"), 404) == "NotFound"
+    assert error_of(await http.put("/v1/prefill"), 405) == "MethodNotAllowed"
+
+
+async def test_an_idempotent_resubmit_answers_its_jobs_state(http, sync):
+    body = {"tokens": ids(6, 31), "model": MODEL, "idempotency_key": "gw-idem-1"}
+    first = (await http.post("/v1/prefill", json=body)).json()
+    sync.result(first["job_id"], timeout=60)
+    again = await http.post("/v1/prefill", json=body)
+    assert again.json() == {"job_id": first["job_id"], "state": "finished"}
+
+
+async def test_an_unreachable_redis_is_503_not_a_crash():
+    gone = RedisServer().start()
+    gone_url = gone.url
+    gone.stop()
+    async with gateway(gone_url) as http:
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/metrics", None),
+                                   ("POST", "/v1/prefill", {"tokens": [2, 3]}),
+                                   ("GET", "/v1/prefill/x", None)):
+            response = await http.request(method, path, json=body)
+            assert error_of(response, 503) == "ConnectionError", path

@@ -32,7 +32,10 @@ EXTRA_PACKAGES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefillq", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="prefillq", description="Chunked, resumable, exact long-prompt prefill as a Redis "
+        "job queue: run a prompt, serve as a worker or the HTTP gateway, and submit, watch, "
+        "cancel and fetch jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run(sub)
     add_worker(sub)
