@@ -15,6 +15,7 @@ from .errors import HANDLERS, error_response
 from .limits import BodyLimit, BodyTooLarge
 from .liveness import LiveWorkers
 
+
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The gateway over `client`, which the app closes when it shuts down.
