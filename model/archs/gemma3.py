@@ -22,6 +22,8 @@ from ..cache import CachePlan, LayerSpec, plan_cache, window_mask
 from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
+from ..kernels.flash_attention import applies as fused_attention_applies
+from ..kernels.flash_attention import flash_attention
 from ..kv_cache import CAPACITY_STEP_TOKENS, ModelCache
 from ..runtime.streams import split_map
 
@@ -117,8 +119,11 @@ class Attention(nn.Module):
     def core(self, q: mx.array, keys: mx.array, values: mx.array, mask, position: int
              ) -> mx.array:
         """The chunk's queries ``(B, heads, L, head_dim)`` over the keys and mask its cache
-        returned (`model.kv_cache`: ``GlobalKVCache.update``, ``RingKVCache.update``); long
-        chunks in blocks."""
+        returned (`model.kv_cache`: ``GlobalKVCache.update``, ``RingKVCache.update``): on a
+        CUDA GPU in bf16, the fused kernel (`model.kernels.flash_attention`); elsewhere MLX's
+        attention, long chunks in blocks."""
+        if fused_attention_applies(q, keys):
+            return flash_attention(q, keys, values, self.scale, position, self.window)
         if q.shape[2] > blocked_above() and mask is not None:
             return self.attend(blocked_attention, q, keys, values, self.scale, position,
                                self.window)

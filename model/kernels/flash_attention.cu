@@ -1,0 +1,229 @@
+// Causal flash attention for MLX on CUDA (FlashAttention-2's forward pass: Dao, 2023,
+// "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
+// Algorithm 1), bf16 in and fp32 accumulation on tensor cores (mma.sync m16n8k16).
+//
+// The body of an `mx.fast.cuda_kernel` (model/kernels/flash_attention.py builds it):
+// inputs q (B, H, L, D), k and v (B, KVH, N, D), each with strides (its last dimension
+// contiguous, rows 16-byte aligned), params int32 [position, k_start, window, L, N,
+// splits] and scale float32 [1]. Output: out bf16 (B, H, L, D); or, compiled with
+// PREFILLQ_SPLIT (a split of the keys per grid z, for chunks too short to fill the GPU),
+// out float32 (B, H, splits, L, D), each split's normalized output, and lse float32
+// (B, H, splits, L), its log-sum-exp (natural log; -inf where a row saw no key), which
+// flash_attention.py combines.
+// Template constants: D (head dim), BLOCK_N (keys per step), GROUP (query heads per KV
+// head), PAD (shared-memory row padding, bf16 elements).
+//
+// A block of 4 warps takes 64 consecutive queries of one head; each warp owns 16 rows.
+// Per step of BLOCK_N keys: S = Q K^T (16 x BLOCK_N per warp, in registers), the online
+// softmax (row max and sum across the 4 threads that share a row), O += P V with P reused
+// from S's registers as the A operand (the m16n8k16 C layout equals its A layout).
+// Key blocks wholly outside the causal range or the sliding window are never loaded.
+
+constexpr int WARPS = 4;
+constexpr int BLOCK_M = 16 * WARPS;
+constexpr int ROW = D + PAD;                 // shared row stride, bf16 elements
+constexpr int N_TILES = BLOCK_N / 8;         // S tiles of 8 keys
+constexpr int D_TILES = D / 8;               // O tiles of 8 dims
+constexpr float LOG2E = 1.4426950408889634f;
+const float NEG_INF = __int_as_float(0xff800000);
+
+extern __shared__ __align__(16) unsigned char smem_raw[];
+__nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+__nv_bfloat16* Ks = Qs + BLOCK_M * ROW;
+__nv_bfloat16* Vs = Ks + BLOCK_N * ROW;
+
+const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+const int g = lane / 4, t = lane % 4;         // the mma fragment's row group and column pair
+const int m_block = blockIdx.x, h = blockIdx.y;
+const int splits = params[5], b = blockIdx.z / splits, split = blockIdx.z % splits;
+const int kvh = h / GROUP;
+const int position = params[0], k_start = params[1], window = params[2];
+const int L = params[3], N = params[4];
+const float scale_log2 = scale[0] * LOG2E;
+const int H = q_shape[1];
+
+const __nv_bfloat16* qp = q + b * q_strides[0] + h * q_strides[1];
+const long q_row = q_strides[2];
+const __nv_bfloat16* kp = k + b * k_strides[0] + kvh * k_strides[1];
+const __nv_bfloat16* vp = v + b * v_strides[0] + kvh * v_strides[1];
+const long k_row = k_strides[2], v_row = v_strides[2];
+
+// Q tile -> shared (rows past L are zero), 16 bytes a thread per copy
+const int row0 = m_block * BLOCK_M;
+for (int i = tid; i < BLOCK_M * D / 8; i += blockDim.x) {
+  int r = i / (D / 8), c = (i % (D / 8)) * 8;
+  uint4 val = make_uint4(0, 0, 0, 0);
+  if (row0 + r < L) val = *reinterpret_cast<const uint4*>(qp + (row0 + r) * q_row + c);
+  *reinterpret_cast<uint4*>(Qs + r * ROW + c) = val;
+}
+
+// this block's queries' positions, and the keys any of them may see
+const int first_q = position + row0;
+const int last_q = position + min(row0 + BLOCK_M, L) - 1;
+int lo = k_start;
+if (window > 0) lo = max(lo, first_q - window + 1);
+const int hi = min(k_start + N, last_q + 1);   // exclusive
+int lo_block = k_start + ((lo - k_start) / BLOCK_N) * BLOCK_N;
+int hi_block = hi;
+if (splits > 1) {  // this split's share of the key blocks, whole blocks each
+  const int n_blocks = (hi - lo_block + BLOCK_N - 1) / BLOCK_N;
+  const int per = (n_blocks + splits - 1) / splits;
+  const int first = lo_block + split * per * BLOCK_N;
+  hi_block = min(hi, first + per * BLOCK_N);
+  lo_block = first;
+}
+
+// the two rows this thread holds in every C fragment, as absolute query positions
+const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+const int p_lo = position + row0 + r_lo, p_hi = position + row0 + r_hi;
+
+float o[D_TILES][4];
+#pragma unroll
+for (int j = 0; j < D_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+
+for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
+  __syncthreads();  // the previous step's K, V reads are done (and Q's writes, first time)
+  for (int i = tid; i < BLOCK_N * D / 8; i += blockDim.x) {
+    int r = i / (D / 8), c = (i % (D / 8)) * 8;
+    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+    int key = kb + r - k_start;               // row in k, v
+    if (key < N) {
+      kv = *reinterpret_cast<const uint4*>(kp + key * k_row + c);
+      vv = *reinterpret_cast<const uint4*>(vp + key * v_row + c);
+    }
+    *reinterpret_cast<uint4*>(Ks + r * ROW + c) = kv;
+    *reinterpret_cast<uint4*>(Vs + r * ROW + c) = vv;
+  }
+  __syncthreads();
+
+  // S = Q K^T for this warp's 16 rows
+  float s[N_TILES][4];
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  const __nv_bfloat16* qw = Qs + (warp * 16) * ROW;
+#pragma unroll 4
+  for (int kk = 0; kk < D; kk += 16) {
+    uint32_t a0 = *reinterpret_cast<const uint32_t*>(qw + g * ROW + kk + t * 2);
+    uint32_t a1 = *reinterpret_cast<const uint32_t*>(qw + (g + 8) * ROW + kk + t * 2);
+    uint32_t a2 = *reinterpret_cast<const uint32_t*>(qw + g * ROW + kk + 8 + t * 2);
+    uint32_t a3 = *reinterpret_cast<const uint32_t*>(qw + (g + 8) * ROW + kk + 8 + t * 2);
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+      const __nv_bfloat16* kr = Ks + (j * 8 + g) * ROW + kk + t * 2;
+      uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+      uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(s[j][0]), "+f"(s[j][1]), "+f"(s[j][2]), "+f"(s[j][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+
+  // mask (causal, window, past N), scale to log2 units, and the step's row maxima
+  float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int key = kb + j * 8 + t * 2 + (e & 1);
+      int p = e < 2 ? p_lo : p_hi;
+      bool ok = key < k_start + N && key <= p && (window <= 0 || key > p - window);
+      float x = ok ? s[j][e] * scale_log2 : NEG_INF;
+      s[j][e] = x;
+      if (e < 2) mx_lo = fmaxf(mx_lo, x); else mx_hi = fmaxf(mx_hi, x);
+    }
+  }
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 1));
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 2));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 1));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 2));
+  const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+  // a row that has seen no key yet keeps NEG_INF: scale by 0, not by exp(NEG_INF - NEG_INF)
+  const float alpha_lo = new_lo == NEG_INF ? 1.f : exp2f(m_lo - new_lo);
+  const float alpha_hi = new_hi == NEG_INF ? 1.f : exp2f(m_hi - new_hi);
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+    s[j][0] = new_lo == NEG_INF ? 0.f : exp2f(s[j][0] - new_lo);
+    s[j][1] = new_lo == NEG_INF ? 0.f : exp2f(s[j][1] - new_lo);
+    s[j][2] = new_hi == NEG_INF ? 0.f : exp2f(s[j][2] - new_hi);
+    s[j][3] = new_hi == NEG_INF ? 0.f : exp2f(s[j][3] - new_hi);
+    sum_lo += s[j][0] + s[j][1];
+    sum_hi += s[j][2] + s[j][3];
+  }
+  l_lo = l_lo * alpha_lo + sum_lo;   // each thread's partial sum; reduced at the end
+  l_hi = l_hi * alpha_hi + sum_hi;
+  m_lo = new_lo;
+  m_hi = new_hi;
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) {
+    o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
+    o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+  }
+
+  // O += P V: P's k-step of 16 keys is S tiles 2i and 2i + 1
+#pragma unroll
+  for (int i = 0; i < BLOCK_N / 16; ++i) {
+    __nv_bfloat162 p0 = __floats2bfloat162_rn(s[2 * i][0], s[2 * i][1]);
+    __nv_bfloat162 p1 = __floats2bfloat162_rn(s[2 * i][2], s[2 * i][3]);
+    __nv_bfloat162 p2 = __floats2bfloat162_rn(s[2 * i + 1][0], s[2 * i + 1][1]);
+    __nv_bfloat162 p3 = __floats2bfloat162_rn(s[2 * i + 1][2], s[2 * i + 1][3]);
+    uint32_t a0 = *reinterpret_cast<uint32_t*>(&p0), a1 = *reinterpret_cast<uint32_t*>(&p1);
+    uint32_t a2 = *reinterpret_cast<uint32_t*>(&p2), a3 = *reinterpret_cast<uint32_t*>(&p3);
+    const __nv_bfloat16* v0 = Vs + (i * 16 + t * 2) * ROW + g;
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+      const __nv_bfloat16* vr = v0 + j * 8;
+      __nv_bfloat162 b0v, b1v;
+      b0v.x = vr[0]; b0v.y = vr[ROW];
+      b1v.x = vr[8 * ROW]; b1v.y = vr[9 * ROW];
+      uint32_t b0 = *reinterpret_cast<uint32_t*>(&b0v), b1 = *reinterpret_cast<uint32_t*>(&b1v);
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(o[j][0]), "+f"(o[j][1]), "+f"(o[j][2]), "+f"(o[j][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+}
+
+// the row sums across the 4 threads of a row, then O / l -> out
+l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
+l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
+l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
+l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
+const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+const int q_lo = row0 + r_lo, q_hi = row0 + r_hi;
+#ifdef PREFILLQ_SPLIT
+const size_t slab = (((size_t)b * H + h) * splits + split) * (size_t)L;
+float* op = out + slab * D;
+if (t == 0) {  // one thread of the four that share a row writes its log-sum-exp
+  constexpr float LN2 = 0.6931471805599453f;
+  if (q_lo < L) lse[slab + q_lo] = l_lo > 0.f ? m_lo * LN2 + logf(l_lo) : NEG_INF;
+  if (q_hi < L) lse[slab + q_hi] = l_hi > 0.f ? m_hi * LN2 + logf(l_hi) : NEG_INF;
+}
+#pragma unroll
+for (int j = 0; j < D_TILES; ++j) {
+  int c = j * 8 + t * 2;
+  if (q_lo < L)
+    *reinterpret_cast<float2*>(op + (size_t)q_lo * D + c) =
+        make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
+  if (q_hi < L)
+    *reinterpret_cast<float2*>(op + (size_t)q_hi * D + c) =
+        make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
+}
+#else
+__nv_bfloat16* op = out + ((size_t)b * H + h) * (size_t)L * D;
+#pragma unroll
+for (int j = 0; j < D_TILES; ++j) {
+  int c = j * 8 + t * 2;
+  if (q_lo < L)
+    *reinterpret_cast<__nv_bfloat162*>(op + (size_t)q_lo * D + c) =
+        __floats2bfloat162_rn(o[j][0] * inv_lo, o[j][1] * inv_lo);
+  if (q_hi < L)
+    *reinterpret_cast<__nv_bfloat162*>(op + (size_t)q_hi * D + c) =
+        __floats2bfloat162_rn(o[j][2] * inv_hi, o[j][3] * inv_hi);
+}
+#endif

@@ -1,0 +1,133 @@
+"""Fused causal flash attention on CUDA for head dims MLX leaves unfused (256).
+
+MLX's CUDA `scaled_dot_product_attention` fuses only head dims up to 128 (cuDNN) or short
+queries; Gemma 3's heads are 256 wide, so it writes every score to memory and reads it back.
+This kernel (``flash_attention.cu``: FlashAttention-2's forward pass on mma.sync tensor
+cores, bf16 in, fp32 accumulation) computes a chunk's attention in one pass over the keys:
+GQA/MQA (one KV head serves ``H / KVH`` query heads), a query offset (the chunk's queries at
+``position ..`` attend to every earlier key in the cache), and sliding windows (key blocks
+wholly outside the window are never loaded).
+
+NVRTC compiles the kernel on first use per (head dim, block) shape; MLX caches it in the
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
+HEAD_DIMS = (256,)
+QUERIES_PER_BLOCK = 64  # 4 warps of 16 rows (flash_attention.cu's BLOCK_M)
+THREADS = 128
+DEFAULT_BLOCK_N = 64
+PAD = 8  # bf16 elements of shared-memory row padding: rows 4 banks apart, no conflicts
+
+# "0" turns the kernel off (the unfused MLX path then runs on CUDA too), for side-by-side
+# measurements and as an escape hatch.
+ENV = "PREFILLQ_FUSED_ATTENTION"
+
+# Blocks that keep every SM of a large GPU busy (an H200 has 132): a chunk of fewer query
+# blocks than this splits its keys over more blocks (FlashDecoding's split-K).
+TARGET_BLOCKS = 264
+# A split gets at least this many key blocks, so the combine's cost stays small.
+MIN_KEY_BLOCKS_PER_SPLIT = 4
+
+_kernels: dict[tuple[int, int, bool], object] = {}
+
+
+@cache
+def available() -> bool:
+    """True when MLX's default device is a CUDA GPU (the kernel's only target) and
+    ``$PREFILLQ_FUSED_ATTENTION`` is not ``0``. Read once per process."""
+    return (os.environ.get(ENV, "1") != "0" and mx.default_device() == mx.gpu
+            and mx.cuda.is_available())
+
+
+def applies(q: mx.array, keys: mx.array) -> bool:
+    """Whether a model's attention runs through `flash_attention` (`available` and
+    `supports`)."""
+    return available() and supports(q, keys)
+
+
+def supports(q: mx.array, keys: mx.array) -> bool:
+    """Whether `flash_attention` takes these inputs: bf16, a supported head dim, and
+    whole KV groups."""
+    return (q.dtype == mx.bfloat16 and keys.dtype == mx.bfloat16 and q.shape[-1] in HEAD_DIMS
+            and q.shape[1] % keys.shape[1] == 0)
+
+
+def shared_bytes(head_dim: int, block_n: int) -> int:
+    """Dynamic shared memory of one block: the Q tile and a K and a V tile, padded rows."""
+    return (QUERIES_PER_BLOCK + 2 * block_n) * (head_dim + PAD) * 2
+
+
+def _kernel(head_dim: int, block_n: int, split: bool):
+    key = (head_dim, block_n, split)
+    if key not in _kernels:
+        _kernels[key] = mx.fast.cuda_kernel(
+            name=f"prefillq_flash_attention_d{head_dim}_n{block_n}{'_split' if split else ''}",
+            input_names=["q", "k", "v", "params", "scale"],
+            output_names=["out", "lse"] if split else ["out"],
+            source=SOURCE, header="#define PREFILLQ_SPLIT 1\n" if split else "",
+            ensure_row_contiguous=False, shared_memory=shared_bytes(head_dim, block_n))
+    return _kernels[key]
+
+
+def splits_for(q_blocks: int, key_blocks: int) -> int:
+    """Key splits for a grid of `q_blocks` blocks over up to `key_blocks` key blocks each:
+    enough to reach `TARGET_BLOCKS`, each split `MIN_KEY_BLOCKS_PER_SPLIT` or more."""
+    want = -(-TARGET_BLOCKS // max(q_blocks, 1))
+    return max(1, min(want, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
+
+
+def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N
+                    ) -> mx.array:
+    """Causal (optionally sliding-window) attention of a chunk, fused.
+
+    Args:
+        q: bf16 ``(B, H, L, D)``, queries at positions ``[position, position + L)``; D in
+            `HEAD_DIMS`; its last dimension contiguous.
+        keys, values: bf16 ``(B, KVH, N, D)``, the first key at position
+            ``position - (N - L)`` (what `model.kv_cache`'s ``update`` returns); H a
+            multiple of KVH.
+        scale: the score scale.
+        position: the chunk's first position.
+        window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None.
+        block_n: keys per step (a multiple of 16).
+    Returns:
+        bf16 ``(B, H, L, D)``, equal to `model.archs.gemma3.blocked_attention` within bf16
+        rounding (`bench.gpu_attention` checks it).
+    Raises:
+        ValueError: inputs `supports` refuses.
+    """
+    if not supports(q, keys):
+        raise ValueError(f"flash_attention takes bf16, head dim in {HEAD_DIMS} and whole KV "
+                         f"groups; got {q.dtype} q {q.shape}, keys {keys.dtype} {keys.shape}")
+    B, H, L, D = q.shape
+    KVH, N = keys.shape[1], keys.shape[2]
+    q_blocks = -(-L // QUERIES_PER_BLOCK)
+    visible = min(N, window + QUERIES_PER_BLOCK) if window else N  # keys a block may see
+    splits = splits_for(q_blocks * H * B, -(-visible // block_n))
+    params = mx.array([position, position - (N - L), window or 0, L, N, splits],
+                      dtype=mx.int32)
+    inputs = [q, keys, values, params, mx.array([scale], dtype=mx.float32)]
+    template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD)]
+    grid = (q_blocks * THREADS, H, B * splits)
+    if splits == 1:
+        (out,) = _kernel(D, block_n, False)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(THREADS, 1, 1),
+            output_shapes=[(B, H, L, D)], output_dtypes=[q.dtype])
+        return out
+    parts, lse = _kernel(D, block_n, True)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, H, splits, L, D), (B, H, splits, L)],
+        output_dtypes=[mx.float32, mx.float32])
+    # each split's output weighted by its share of the softmax's denominator
+    weights = mx.softmax(lse, axis=2)[..., None]
+    return (weights * parts).sum(axis=2).astype(q.dtype)

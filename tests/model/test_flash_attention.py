@@ -1,0 +1,45 @@
+"""`model.kernels.flash_attention` on the CPU: the dispatch rules and the key-split plan
+(the kernel itself runs on a CUDA GPU only; `python -m bench.gpu_attention --check` checks it
+there against the unfused path)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from model.kernels import flash_attention as fa
+
+
+def test_the_cpu_never_takes_the_fused_path():
+    q = mx.zeros((1, 4, 8, 256), dtype=mx.bfloat16)
+    assert not fa.available() and not fa.applies(q, q[:, :1])
+
+
+def test_supports_bf16_head_dim_256_and_whole_kv_groups():
+    def arrays(d=256, dtype=mx.bfloat16, h=4, kvh=1):
+        return mx.zeros((1, h, 8, d), dtype=dtype), mx.zeros((1, kvh, 8, d), dtype=dtype)
+
+    assert fa.supports(*arrays())
+    assert not fa.supports(*arrays(d=128))
+    assert not fa.supports(*arrays(dtype=mx.float32))
+    assert not fa.supports(*arrays(h=4, kvh=3))
+    with pytest.raises(ValueError, match="head dim"):
+        fa.flash_attention(*arrays(d=128), arrays(d=128)[1], 0.1, 0, None)
+
+
+@pytest.mark.parametrize("q_blocks, key_blocks, splits", [
+    (512, 128, 1),    # 8K queries x 4 heads fill the GPU already
+    (128, 128, 3),    # a 2,048-token chunk of 4 heads: split to reach TARGET_BLOCKS
+    (128, 8, 2),      # few key blocks: at least MIN_KEY_BLOCKS_PER_SPLIT each
+    (4, 3, 1),        # too few keys to split
+    (1, 1000, 250),   # 264 wanted, 1,000 // 4 allowed
+])
+def test_key_splits_fill_the_gpu_without_tiny_splits(q_blocks, key_blocks, splits):
+    assert fa.splits_for(q_blocks, key_blocks) == splits
+
+
+def test_the_kernel_source_ships_with_the_package():
+    from importlib.resources import files
+
+    source = files("model.kernels").joinpath("flash_attention.cu").read_text()
+    assert source == fa.SOURCE and "mma.sync.aligned.m16n8k16" in source
