@@ -31,6 +31,7 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
+from jobs.client import redacted
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
@@ -162,7 +163,7 @@ class PrefillWorker(SimpleWorker):
         policy = CheckpointPolicy.parse(checkpoint_every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else
                                   f"KV checkpoints: every {checkpoint_every} to "
-                                  f"{checkpoint_store or 'the queue Redis'}")
+                                  f"{redacted(checkpoint_store or 'the queue Redis')}")
         self.checkpointing = None if policy is None else Checkpointing(
             connection, name, open_store(checkpoint_store, connection), policy,
             ttl_s=result_ttl_s, max_bytes=checkpoint_max_bytes)
