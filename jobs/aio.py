@@ -69,7 +69,8 @@ class AsyncPrefillClient:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  max_waiters: int = DEFAULT_MAX_WAITERS, **kwargs: Any) -> AsyncPrefillClient:
         """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``
-        (connections open on first use): up to `max_connections` for commands (more
+        (any URL `jobs.client.redis_url` describes: a password, an ACL user, ``rediss://``
+        TLS; connections open on first use): up to `max_connections` for commands (more
         concurrent calls wait for one) and `max_waiters` for concurrent `watch`/`result`
         waits (one more raises redis's MaxConnectionsError)."""
         url = redis_url(url)

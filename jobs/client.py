@@ -88,7 +88,8 @@ class PrefillClient:
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> PrefillClient:
-        """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``."""
+        """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``:
+        any URL `redis_url` describes (a password, an ACL user, ``rediss://`` TLS)."""
         return cls(Redis.from_url(redis_url(url)), **kwargs)
 
     # -- models ------------------------------------------------------------------------
