@@ -73,7 +73,8 @@ class AsyncPrefillClient:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  **kwargs: Any) -> AsyncPrefillClient:
         """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``
-        (connections open on first use): up to `max_connections` for commands (more
+        (any URL `jobs.client.redis_url` describes: a password, an ACL user, ``rediss://``
+        TLS; connections open on first use): up to `max_connections` for commands (more
         concurrent calls wait for one), and one more, of its own, for the pub/sub
         subscriber every `watch` and `result` waits through. `kwargs` go to the
         constructor."""

@@ -48,7 +48,9 @@ positive_int = int_at_least(1)
 
 def add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--redis", required=required, default=None,
-                   help=f"Redis URL (default ${REDIS_URL_ENV} or redis://localhost:6379/0)")
+                   help="Redis URL: redis://[[USER]:PASSWORD@]HOST:PORT/DB, rediss://... for "
+                        f"TLS (default ${REDIS_URL_ENV}, which keeps a password out of ps; "
+                        "else redis://localhost:6379/0)")
 
 
 def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from redis import Redis
 
@@ -29,8 +30,37 @@ from .tokenizer import ServedTokenizer, TokenizerCache
 
 
 def redis_url(url: str | None = None) -> str:
-    """`url`, else ``$PREFILLQ_REDIS_URL``, else ``redis://localhost:6379/0``."""
+    """`url`, else ``$PREFILLQ_REDIS_URL``, else ``redis://localhost:6379/0``.
+
+    Any URL redis-py takes: ``redis://[[user]:password@]host:port/db``, ``rediss://`` for
+    TLS (its query passes options through, e.g. ``?ssl_ca_certs=/path/ca.pem``), or
+    ``unix:///path.sock``. Show it only through `redacted`.
+    """
     return url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+
+
+# query parameters of a Redis URL whose values are secrets (redis-py passes any through)
+SECRET_QUERY_KEYS = ("password", "ssl_password")
+
+
+def redacted(url: str) -> str:
+    """`url` with its password, and any ``password``/``ssl_password`` query value, as
+    ``***``: ``redis://alice:s3cret@host:6379/0`` -> ``redis://alice:***@host:6379/0``.
+    The one way a Redis URL (or a checkpoint store's) is put in a log line or a message."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    shown = url
+    user, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user:
+        shown = shown.replace(parts.netloc, f"{user.partition(':')[0]}:***@{host}", 1)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if any(k.lower() in SECRET_QUERY_KEYS for k, _ in pairs):
+        query = urlencode([(k, "***" if k.lower() in SECRET_QUERY_KEYS else v)
+                           for k, v in pairs], safe="/*")
+        shown = shown.replace(f"?{parts.query}", f"?{query}", 1)
+    return shown
 
 
 class PrefillClient:
@@ -58,7 +88,8 @@ class PrefillClient:
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> PrefillClient:
-        """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``."""
+        """Connect to `url`, default ``$PREFILLQ_REDIS_URL`` or ``redis://localhost:6379/0``:
+        any URL `redis_url` describes (a password, an ACL user, ``rediss://`` TLS)."""
         return cls(Redis.from_url(redis_url(url)), **kwargs)
 
     # -- models ------------------------------------------------------------------------

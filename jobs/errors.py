@@ -66,3 +66,9 @@ class TokenizerUnavailable(PrefillQError):
 
 class TokenizerMalformed(TokenizerUnavailable):
     """The published tokenizer blob cannot be decoded (truncated, garbled, wrong fields)."""
+
+
+class JobRefused(PrefillQError):
+    """An RQ job on a prefillq queue that is not prefillq's own execution: another
+    function, other arguments, RQ callbacks or webhooks, or a payload msgpack cannot decode.
+    The worker records it failed in RQ and runs nothing of it (`jobs.queues.refusal`)."""

@@ -5,6 +5,12 @@ that has ever been used, listed in ``keys.priorities``), or through one worker's
 (``keys.sticky_queue``) when it is routed to that worker. Every RQ job here is the one
 execution of `CHUNK_FUNCTION` that admits a prefillq job (its id the only argument): the
 worker starts the job, runs its first chunk, and runs the rest in its own loop.
+
+Anyone who can write Redis can put an RQ job on these queues, and RQ would import and call
+whatever function, callback or webhook URL that job names. `ChunkJob`, the job class of
+every queue here and of the worker, runs only `CHUNK_FUNCTION` with one job id (`refusal`
+says why anything else is refused) and never RQ's callbacks or webhooks, which prefillq
+does not use.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from rq.utils import now as rq_now
 
 from . import keys
 from .defaults import DEFAULT_RESULT_TTL_S
+from .errors import JobRefused
 from .serializer import MsgpackSerializer
 
 # The allow-listed job function a worker runs: one bounded chunk of one job.
@@ -28,18 +35,70 @@ CHUNK_FUNCTION = "worker.tasks.advance_prefill"
 # bounded by its token count, and an exception thrown into MLX work would leave the cache
 # half written) and keeps no result (ours is in the job's record).
 CHUNK_OPTIONS = {"timeout": -1, "result_ttl": 0, "failure_ttl": DEFAULT_RESULT_TTL_S}
+# A refusal quotes at most this much of a foreign job's function name.
+MAX_QUOTED_CHARS = 200
+
+
+def refusal(job: Job) -> str | None:
+    """Why RQ job `job` must not run on a prefillq worker, or None when it is prefillq's own
+    execution: `CHUNK_FUNCTION` (no instance) with one job id (a str) as its only argument,
+    and no RQ callback or webhook. Decoding the payload (msgpack) runs no code."""
+    try:
+        func_name, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
+    except Exception as error:  # RQ's DeserializationError: not msgpack of RQ's 4-tuple
+        return f"its payload cannot be decoded ({type(error).__name__})"
+    if func_name != CHUNK_FUNCTION:
+        name = repr(func_name)[:MAX_QUOTED_CHARS]
+        return f"function {name} is not allow-listed (only {CHUNK_FUNCTION} runs here)"
+    if (instance is not None or kwargs not in (None, {}) or not isinstance(args, list | tuple)
+            or len(args) != 1 or not isinstance(args[0], str)):
+        return f"{CHUNK_FUNCTION} takes one job id and nothing else"
+    callbacks = (job._success_callback_name, job._failure_callback_name,
+                 job._stopped_callback_name)
+    if any(callbacks) or getattr(job, "webhooks", None):  # (webhooks: RQ >= 3)
+        return "RQ callbacks and webhooks are not allowed"
+    return None
+
+
+class ChunkJob(Job):
+    """RQ's `Job` as prefillq's queues and workers use it: `func` is `CHUNK_FUNCTION` or
+    raises, and RQ's callbacks and webhooks are never run or sent, whatever the job's hash
+    names (prefillq sets none)."""
+
+    @property
+    def func(self):
+        """The job function (`CHUNK_FUNCTION`). Raises JobRefused for any other job."""
+        reason = refusal(self)
+        if reason is not None:
+            raise JobRefused(reason)
+        return super().func
+
+    @property
+    def success_callback(self) -> None:
+        return None
+
+    @property
+    def failure_callback(self) -> None:
+        return None
+
+    @property
+    def stopped_callback(self) -> None:
+        return None
+
+    def send_webhooks(self, *args, **kwargs) -> None:
+        """Never sent: a webhook URL in a job's hash would make the worker request it."""
 
 
 def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
     """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
-    return Queue(
-        keys.intake_queue(model, priority), connection=redis, serializer=MsgpackSerializer
-    )
+    return Queue(keys.intake_queue(model, priority), connection=redis,
+                 serializer=MsgpackSerializer, job_class=ChunkJob)
 
 
 def sticky_queue(redis: Redis, worker: str) -> Queue:
     """The RQ queue of the jobs routed to `worker`, which it admits before intake."""
-    return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer)
+    return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer,
+                 job_class=ChunkJob)
 
 
 def intake_priorities(redis: Redis, model: str) -> list[int]:
@@ -120,7 +179,7 @@ def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, 
     that keeps the session's slot)."""
     pipeline.sadd(keys.priorities(model), int(priority))
     queue = Queue(new_queue_name(model, priority, worker), connection=redis,
-                  serializer=MsgpackSerializer)
+                  serializer=MsgpackSerializer, job_class=ChunkJob)
     enqueue_chunk(queue, job_id, pipeline=pipeline)
 
 

@@ -56,11 +56,13 @@ def check_store_url(url: str) -> str:
     """
     from urllib.parse import urlparse
 
+    from jobs.client import redacted
+
     parsed = urlparse(url)
     if url == "redis" or parsed.scheme in ("redis", "rediss", "unix"):
         return url
     local = parsed.netloc in ("", "localhost") and parsed.path.startswith("/")
     if parsed.scheme == "file" and local:
         return url
-    raise ValueError(f"checkpoint store {url!r}: want redis (this queue's), redis://..., or "
-                     "file:///absolute/path")
+    raise ValueError(f"checkpoint store {redacted(url)!r}: want redis (this queue's), "
+                     "redis://..., or file:///absolute/path")

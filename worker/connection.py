@@ -17,7 +17,14 @@ import time
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, OutOfMemoryError, ResponseError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ConnectionError,
+    OutOfMemoryError,
+    ResponseError,
+    TimeoutError,
+)
 from redis.retry import Retry
 
 from jobs.client import redis_url
@@ -29,6 +36,9 @@ BACKOFF_CAP_S = 10.0
 PAUSE_STEP_S = 0.25
 # A connect that takes longer than this counts as a failed attempt.
 CONNECT_TIMEOUT_S = 5.0
+# Connection errors no wait cures (wrong credentials, an ACL user without the rights):
+# raised at once, so a misconfigured worker exits with the reason instead of retrying.
+NOT_RETRIED = (AuthenticationError, AuthorizationError)
 
 
 class RedisUnreachable(OSError):
@@ -73,7 +83,8 @@ class ShutdownRetry(Retry):
 
         Raises:
             ConnectionError, TimeoutError: the error of the last attempt, once the deadline
-                has passed. Any other error of `do` at once.
+                has passed. `NOT_RETRIED` (wrong credentials) and any other error of `do` at
+                once.
         """
         self._backoff.reset()
         failures = 0
@@ -81,7 +92,7 @@ class ShutdownRetry(Retry):
             try:
                 return do()
             except self._supported_errors as error:
-                if is_retryable and not is_retryable(error):
+                if isinstance(error, NOT_RETRIED) or (is_retryable and not is_retryable(error)):
                     raise
                 failures += 1
                 if with_failure_count:

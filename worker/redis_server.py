@@ -11,7 +11,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -48,6 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files for a TLS ``redis-server``: its certificate and key, and the CA that
+    signed the certificate (the one clients trust, ``?ssl_ca_certs=`` in their URL)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class RedisServer:
     """``redis-server`` on a free port; restartable on the same port and data directory.
 
@@ -57,29 +69,58 @@ class RedisServer:
         workdir: its data directory (default: a temporary one, removed on `stop`).
         appendonly: AOF persistence with fsync on every write, so a restart keeps the data.
         args: further ``redis-server`` options, e.g. ``["--maxmemory", "10mb"]``.
+        password: the default user's password (``--requirepass``).
+        users: ACL users by name, each with its password and every right
+            (``--user NAME on >PASSWORD ~* &* +@all``).
+        tls: serve TLS only, with these files (``--tls-port``; clients are not asked for a
+            certificate); `url` is then ``rediss://...?ssl_ca_certs=CA``.
     Raises:
         RedisServerError: the binary is not installed (``apt-get install redis-server``).
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = False,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, *, password: str | None = None,
+                 users: dict[str, str] | None = None, tls: TLSFiles | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RedisServerError("redis-server is not installed (apt-get install redis-server)")
         self._tmp = tempfile.TemporaryDirectory() if workdir is None else None
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.appendonly, self.extra = appendonly, list(args or [])
+        self.password, self.users, self.tls = password, dict(users or {}), tls
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = self.url_as(None, password)
         self.proc: subprocess.Popen | None = None
+
+    def url_as(self, user: str | None, password: str | None) -> str:
+        """This server's URL (db 0) with `user` and `password` in it (either may be None)."""
+        auth = ""
+        if user is not None or password is not None:
+            auth = (quote(user or "", safe="") + (":" + quote(password, safe="")
+                    if password is not None else "") + "@")
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca))}"
+
+    def _args(self) -> list[str]:
+        args = [self.binary, "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir)]
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                     "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                     "--tls-ca-cert-file", str(self.tls.ca)]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        for user, password in self.users.items():
+            args += ["--user", user, "on", f">{password}", "~*", "&*", "+@all"]
+        args += (["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
+                 else ["--appendonly", "no"])
+        return args + self.extra
 
     def start(self) -> RedisServer:
         """Start the server and wait until it answers. Raises RedisServerError."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--dir", str(self.workdir)]
-        args += (["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly
-                 else ["--appendonly", "no"])
-        self.proc = subprocess.Popen(args + self.extra, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + START_TIMEOUT_S

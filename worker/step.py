@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jobs import keys, stats
+from jobs import keys, protocol, stats
 from jobs.defaults import MAX_ERROR_CHARS
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
@@ -168,9 +168,9 @@ class Stepper:
             log.warning("job %s has no record (expired?); skipping", job_id)
             return None
         record = JobRecord.from_hash(job_id, raw)
-        loaded = self.models.get(record.model)
+        loaded = self.models.get(record.model)  # by name only: nothing is loaded for a job
         if loaded is None:
-            log.error("job %s wants model %s, not served here", job_id, record.model)
+            self._not_served(record)
             return None
         prepared = prepare(loaded, record, chunk_tokens=self.chunk_tokens,
                            sessions=self.sessions, checkpointing=self.checkpointing)
@@ -179,7 +179,21 @@ class Stepper:
             self.sessions.keep(record.session, loaded.name, prepared.slot)
         return active
 
-    def _take(self, record: JobRecord, loaded: LoadedModel, prepared: Prepared
+    def _not_served(self, record: JobRecord) -> None:
+        """A job of a model this worker does not serve reached its queues (routed here by
+        its session, or written straight into Redis): back to its model's intake when some
+        worker registered that model, else `failed` with ``UnknownModel``."""
+        registered = protocol.models_of(self.connection.hgetall(keys.MODELS))
+        if record.model in registered:
+            log.warning("job %s wants model %r, not served here; to its intake",
+                        record.job_id, record.model)
+            requeue_to_intake(self.connection, record.job_id)
+            return
+        error = protocol.unknown_model(record.model, registered)
+        log.error("job %s: %s", record.job_id, str(error)[:200])
+        self._take(record, None, Prepared(None, (type(error).__name__, str(error))))
+
+    def _take(self, record: JobRecord, loaded: LoadedModel | None, prepared: Prepared
               ) -> ActiveJob | None:
         job_id, prefill = record.job_id, prepared.prefill
         if prefill is not None and not self.admission.fits(prefill.cache.nbytes):

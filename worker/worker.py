@@ -3,7 +3,8 @@
 The model and every admitted job's KV cache live in this process across RQ executions, so
 the worker runs jobs in its own process (RQ's `SimpleWorker`,
 https://python-rq.org/docs/workers/). This module holds the RQ hooks only: which queues are
-read (`worker.admission`), which job function may run (`jobs.queues.CHUNK_FUNCTION`), start
+read (`worker.admission`), which RQ jobs may run (`jobs.queues.refusal`: only
+`jobs.queues.CHUNK_FUNCTION` with one job id, no callbacks or webhooks), start
 and shutdown. The chunk step and its transitions are in `worker.step`, liveness in
 `worker.heartbeat`, the Redis retry policy in `worker.connection`.
 
@@ -30,6 +31,7 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
+from jobs.client import redacted
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
@@ -37,7 +39,8 @@ from jobs.defaults import (
     DEFAULT_RESULT_TTL_S,
     DEFAULT_SESSION_SLOTS,
 )
-from jobs.queues import CHUNK_FUNCTION, intake_queue, move_to_intake, sticky_queue
+from jobs.errors import JobRefused
+from jobs.queues import ChunkJob, intake_queue, move_to_intake, refusal, sticky_queue
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
@@ -121,6 +124,7 @@ class PrefillWorker(SimpleWorker):
     """
 
     death_penalty_class = NoDeathPenalty
+    job_class = ChunkJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
 
     def __init__(
         self,
@@ -159,7 +163,7 @@ class PrefillWorker(SimpleWorker):
         policy = CheckpointPolicy.parse(checkpoint_every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else
                                   f"KV checkpoints: every {checkpoint_every} to "
-                                  f"{checkpoint_store or 'the queue Redis'}")
+                                  f"{redacted(checkpoint_store or 'the queue Redis')}")
         self.checkpointing = None if policy is None else Checkpointing(
             connection, name, open_store(checkpoint_store, connection), policy,
             ttl_s=result_ttl_s, max_bytes=checkpoint_max_bytes)
@@ -278,13 +282,9 @@ class PrefillWorker(SimpleWorker):
             self.run_maintenance_tasks()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        try:
-            allowed = job.func_name == CHUNK_FUNCTION
-        except Exception:  # undecodable payload
-            allowed = False
-        if not allowed:
-            log.error("refusing RQ job %s: only %s runs here", job.id, CHUNK_FUNCTION)
-            self.handle_job_failure(job, queue, exc_string=f"not allow-listed: {job.id}")
+        reason = refusal(job)
+        if reason is not None:
+            self.refuse(job, queue, reason)
             return
         _current.worker = self
         try:
@@ -295,6 +295,13 @@ class PrefillWorker(SimpleWorker):
             log.warning("Redis refused RQ's bookkeeping of %s: %s", job.id, error)
         finally:
             _current.worker = None
+
+    def refuse(self, job: Job, queue: Queue, reason: str) -> None:
+        """Record RQ job `job` failed, with ``JobRefused: reason``, without running any of
+        it (its function, callbacks, webhooks) and without retrying it."""
+        log.error("refused RQ job %r from %s: %s", job.id, queue.name, reason)
+        job.retries_left = None
+        self.handle_job_failure(job, queue, exc_string=f"{JobRefused.__name__}: {reason}")
 
     # RQ's own liveness and housekeeping writes: one Redis refuses is skipped this turn
     def heartbeat(self, *args, **kwargs):

@@ -1,6 +1,7 @@
 """Worker processes for the integration tests: ``prefillq worker`` as a child process on
 the tiny Gemma 3 (`gemma3-tiny`) with 4-token chunks, so a prefill lasts long enough to be
-interrupted, and a 2 s heartbeat TTL, so dead workers are found quickly."""
+interrupted, and a 2 s heartbeat TTL, so dead workers are found quickly; and the gateway,
+``prefillq serve``, as a child process."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import redis
 
 from jobs import PrefillClient, keys
+from worker.redis_server import free_port
 
 MODEL = "gemma3-tiny"
 
@@ -54,6 +56,40 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class GatewayProcess:
+    """``prefillq serve`` as a child process; its log goes to a file."""
+
+    def __init__(self, redis_url: str, tmp_path, *extra: str, name: str = "gateway"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", "--redis", redis_url,
+             "--port", str(self.port), "--log-level", "warning", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(self._up, 60, "the gateway did not start")
+
+    def _up(self) -> bool:
+        import httpx  # the gateway extra's
+
+        if self.proc.poll() is not None:
+            pytest.fail(f"the gateway exited:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code in (200, 503)
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.log.close()

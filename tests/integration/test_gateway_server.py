@@ -5,8 +5,6 @@ stream arriving while the job runs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,42 +13,9 @@ import redis
 
 from jobs import PrefillClient
 from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, WorkerProcess, ids, wait_for
-from worker.redis_server import free_port
+from tests.integration.processes import MODEL, GatewayProcess, WorkerProcess, ids, wait_for
 
 openai = pytest.importorskip("openai")
-
-
-class GatewayProcess:
-    """``prefillq serve`` as a child process; its log goes to a file."""
-
-    def __init__(self, redis_url: str, tmp_path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / "gateway.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--redis", redis_url,
-             "--port", str(self.port), "--log-level", "warning", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        wait_for(self._up, 60, "the gateway did not start")
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"the gateway exited:\n{self.log_path.read_text()[-3000:]}")
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code in (200, 503)
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

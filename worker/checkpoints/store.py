@@ -17,6 +17,8 @@ from urllib.parse import quote, unquote, urlparse
 
 import redis
 
+from jobs.client import redacted
+
 from ..checkpoint_policy import check_store_url
 
 # File store header: magic, then the expiry as float64 UTC epoch seconds (big-endian).
@@ -196,5 +198,5 @@ def open_store(url: str | None, connection: redis.Redis) -> CheckpointStore:
         try:
             return FileStore(Path(unquote(parsed.path)))
         except OSError as e:
-            raise ValueError(f"checkpoint store {url!r}: {e.strerror}") from e
+            raise ValueError(f"checkpoint store {redacted(url)!r}: {e.strerror}") from e
     return RedisStore(redis.Redis.from_url(url))

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from model.runtime.blas import ensure_blas
 
         ensure_blas()  # may re-exec this command with an optimized BLAS preloaded
+    from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     try:
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"prefillq: error: `prefillq {args.command}` needs the {extra} extra "
               f"(missing {missing}): pip install 'prefillq[{extra}]'", file=sys.stderr)
+        return 2
+    except (AuthenticationError, AuthorizationError, NoPermissionError) as e:
+        # redis-py's messages never hold the URL or its password
+        print(f"prefillq: error: Redis refused the URL's user or password: {e}",
+              file=sys.stderr)
         return 2
     except RedisConnectionError as e:
         print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)
