@@ -14,6 +14,8 @@
 // head), PAD (shared-memory row padding, bf16 elements).
 //
 // A block of 4 warps takes 64 consecutive queries of one head; each warp owns 16 rows.
+// K and V tiles arrive by cp.async (V while S is computed, the next K during P V), and
+// every mma operand comes from shared memory through ldmatrix (.trans for V).
 // Per step of BLOCK_N keys: S = Q K^T (16 x BLOCK_N per warp, in registers), the online
 // softmax (row max and sum across the 4 threads that share a row), O += P V with P reused
 // from S's registers as the A operand (the m16n8k16 C layout equals its A layout).
@@ -82,42 +84,63 @@ float o[D_TILES][4];
 for (int j = 0; j < D_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
-for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
-  __syncthreads();  // the previous step's K, V reads are done (and Q's writes, first time)
+// one 16-byte async copy global -> shared; `bytes` 0 fills zeros (rows past N)
+auto cp16 = [](uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(src), "r"(bytes));
+};
+auto load_tile = [&](__nv_bfloat16* tile, const __nv_bfloat16* base, long row, int kb) {
   for (int i = tid; i < BLOCK_N * D / 8; i += blockDim.x) {
     int r = i / (D / 8), c = (i % (D / 8)) * 8;
-    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-    int key = kb + r - k_start;               // row in k, v
-    if (key < N) {
-      kv = *reinterpret_cast<const uint4*>(kp + key * k_row + c);
-      vv = *reinterpret_cast<const uint4*>(vp + key * v_row + c);
-    }
-    *reinterpret_cast<uint4*>(Ks + r * ROW + c) = kv;
-    *reinterpret_cast<uint4*>(Vs + r * ROW + c) = vv;
+    int key = kb + r - k_start;               // row in k or v
+    bool ok = key < N;
+    cp16(static_cast<uint32_t>(__cvta_generic_to_shared(tile + r * ROW + c)),
+         base + (ok ? key : 0) * row + c, ok ? 16 : 0);
   }
+  asm volatile("cp.async.commit_group;\n" ::);
+};
+// ldmatrix addresses: this lane's row and 8-column block of each 16 x 16 operand
+const int lm_row = (lane % 8) + ((lane / 16) * 8), lm_col = ((lane / 8) % 2) * 8;
+const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
+    Qs + (warp * 16 + (lane % 16)) * ROW + (lane / 16) * 8));
+const uint32_t k_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
+    Ks + lm_row * ROW + lm_col));
+const uint32_t v_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
+    Vs + ((lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8));
+
+if (lo_block < hi_block) load_tile(Ks, kp, k_row, lo_block);
+for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
+  // V loads while S is computed; the previous step's P V reads of V are done
+  __syncthreads();
+  load_tile(Vs, vp, v_row, kb);
+  asm volatile("cp.async.wait_group 1;\n" ::);   // K (and, first time, Q's stores) ready
   __syncthreads();
 
   // S = Q K^T for this warp's 16 rows
   float s[N_TILES][4];
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  const __nv_bfloat16* qw = Qs + (warp * 16) * ROW;
 #pragma unroll 4
   for (int kk = 0; kk < D; kk += 16) {
-    uint32_t a0 = *reinterpret_cast<const uint32_t*>(qw + g * ROW + kk + t * 2);
-    uint32_t a1 = *reinterpret_cast<const uint32_t*>(qw + (g + 8) * ROW + kk + t * 2);
-    uint32_t a2 = *reinterpret_cast<const uint32_t*>(qw + g * ROW + kk + 8 + t * 2);
-    uint32_t a3 = *reinterpret_cast<const uint32_t*>(qw + (g + 8) * ROW + kk + 8 + t * 2);
+    uint32_t a0, a1, a2, a3;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(q_smem + kk * 2));
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
-      const __nv_bfloat16* kr = Ks + (j * 8 + g) * ROW + kk + t * 2;
-      uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
-      uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+    for (int j = 0; j < N_TILES; j += 2) {
+      uint32_t b0, b1, b2, b3;  // keys j*8.. and (j+1)*8.., dims kk.. and kk+8..
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                   : "r"(k_smem + (j * 8 * ROW + kk) * 2));
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
           "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
           : "+f"(s[j][0]), "+f"(s[j][1]), "+f"(s[j][2]), "+f"(s[j][3])
           : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(s[j + 1][0]), "+f"(s[j + 1][1]), "+f"(s[j + 1][2]), "+f"(s[j + 1][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
     }
   }
 
@@ -163,6 +186,10 @@ for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
     o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
   }
 
+  asm volatile("cp.async.wait_group 0;\n" ::);   // V ready
+  __syncthreads();                                 // and every warp is done with K
+  if (kb + BLOCK_N < hi_block) load_tile(Ks, kp, k_row, kb + BLOCK_N);
+
   // O += P V: P's k-step of 16 keys is S tiles 2i and 2i + 1
 #pragma unroll
   for (int i = 0; i < BLOCK_N / 16; ++i) {
@@ -172,19 +199,22 @@ for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
     __nv_bfloat162 p3 = __floats2bfloat162_rn(s[2 * i + 1][2], s[2 * i + 1][3]);
     uint32_t a0 = *reinterpret_cast<uint32_t*>(&p0), a1 = *reinterpret_cast<uint32_t*>(&p1);
     uint32_t a2 = *reinterpret_cast<uint32_t*>(&p2), a3 = *reinterpret_cast<uint32_t*>(&p3);
-    const __nv_bfloat16* v0 = Vs + (i * 16 + t * 2) * ROW + g;
 #pragma unroll
-    for (int j = 0; j < D_TILES; ++j) {
-      const __nv_bfloat16* vr = v0 + j * 8;
-      __nv_bfloat162 b0v, b1v;
-      b0v.x = vr[0]; b0v.y = vr[ROW];
-      b1v.x = vr[8 * ROW]; b1v.y = vr[9 * ROW];
-      uint32_t b0 = *reinterpret_cast<uint32_t*>(&b0v), b1 = *reinterpret_cast<uint32_t*>(&b1v);
+    for (int j = 0; j < D_TILES; j += 2) {
+      uint32_t b0, b1, b2, b3;  // keys i*16.., dims j*8.. and (j+1)*8.., transposed
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                   : "r"(v_smem + (i * 16 * ROW + j * 8) * 2));
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
           "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
           : "+f"(o[j][0]), "+f"(o[j][1]), "+f"(o[j][2]), "+f"(o[j][3])
           : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(o[j + 1][0]), "+f"(o[j + 1][1]), "+f"(o[j + 1][2]), "+f"(o[j + 1][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
     }
   }
 }
