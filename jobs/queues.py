@@ -142,7 +142,8 @@ def move_to_intake(redis: Redis, worker: str) -> list[str]:
     the queue: `worker` is stopping or dead, and routing is only a preference. Returns the
     job ids moved."""
     own = sticky_queue(redis, worker)
-    moved = [job_id_of(rq_id) for rq_id in own.get_job_ids()]
+    moved = [job_id_of(rq_id.decode()) for rq_id in redis.lrange(own.key, 0, -1)
+             if _is_text(rq_id)]  # anything else is junk someone pushed: dropped below
     with redis.pipeline() as pipe:
         pipe.multi()
         for job_id in moved:
@@ -150,6 +151,14 @@ def move_to_intake(redis: Redis, worker: str) -> list[str]:
         pipe.execute()
     own.delete(delete_jobs=True)
     return moved
+
+
+def _is_text(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,

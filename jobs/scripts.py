@@ -188,6 +188,25 @@ end
 return 'unchanged'
 """
 
+# A worker refuses a job whose record does not decode (`jobs.errors.CorruptJob`): unless a
+# worker holds it or it ended, it fails at once, its undecodable fields dropped so that its
+# status reads again. No fence: its attempt and worker fields may be the corrupt ones.
+# KEYS[1] job, KEYS[2] events; ARGV[1] now, ARGV[2] TTL (s), ARGV[3] error type,
+# ARGV[4] message, ARGV[5..] the fields to drop.
+REFUSE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+if state == 'prefilling' or state == 'finished' or state == 'failed' or state == 'canceled' then
+  return 'unchanged'
+end
+if #ARGV > 4 then redis.call('HDEL', KEYS[1], unpack(ARGV, 5)) end
+redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[3], 'error_message', ARGV[4],
+           'updated_at', ARGV[1], 'finished_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[2], 'failed')
+return 'failed'
+"""
+
 # A worker stops keeping a session's slot: forget it as the holder unless another worker
 # has taken the session over since. KEYS[1] the holder key; ARGV[1] the worker.
 RELEASE_SESSION = """
@@ -209,3 +228,4 @@ class Scripts:
         self.cancel: Script = redis.register_script(CANCEL)
         self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
         self.release_session: Script = redis.register_script(RELEASE_SESSION)
+        self.refuse: Script = redis.register_script(REFUSE)

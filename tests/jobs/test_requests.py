@@ -19,9 +19,16 @@ def record(**changes):
 
 
 def test_a_valid_request_builds_a_queued_record():
-    r = record(tokens=[2, 5], chunk_tokens="16", priority="2")
+    r = record(tokens=(2, 5), chunk_tokens=16, priority=2)
     assert r.tokens == [2, 5] and r.chunk_tokens == 16 and r.priority == 2
     assert r.state == "queued" and r.cursor == 0 and r.attempts == 0
+
+
+def test_numeric_strings_are_refused_not_parsed():
+    # integers are ints: "16" is a caller's bug, as 2.5 is, never parsed or rounded
+    for field in ("chunk_tokens", "priority", "top_k", "max_attempts"):
+        with pytest.raises(InvalidRequest, match=f"^{field} must be an integer, got str '3'"):
+            record(prompt="a", **{field: "3"})
 
 
 @pytest.mark.parametrize("changes", [
