@@ -46,11 +46,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_store=args.checkpoint_store,
         checkpoint_every=args.checkpoint_every,
         checkpoint_max_bytes=args.checkpoint_max_bytes,
-        limits=Limits(max_prompt_bytes=args.max_prompt_bytes, max_top_k=args.max_top_k,
-                      max_prompt_logprobs=args.max_prompt_logprobs),
+        limits=limits_of(args),
     )
     worker.work(burst=args.burst, logging_level="INFO")
     return 0
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    """The worker's `Limits` from its flags (its token limit is ``--context``: the serving
+    context)."""
+    return Limits(max_prompt_bytes=args.max_prompt_bytes, max_top_k=args.max_top_k,
+                  max_prompt_logprobs=args.max_prompt_logprobs)
 
 
 def checkpoint_every(text: str) -> str:
