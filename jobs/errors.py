@@ -1,8 +1,10 @@
 """Errors a client sees. Input errors are raised at `submit`; a job that fails later carries
 ``error.type`` (e.g. ``PromptTooLong``, ``ModelError``, ``WorkerLost``) in its status.
 
-The input errors a worker finds after tokenizing (`EmptyPrompt`, `TokenOutOfRange`,
-`PromptTooLong`) are these same classes: the job's ``error.type`` is the class name.
+The input errors a worker finds (after tokenizing: `EmptyPrompt`, `TokenOutOfRange`,
+`PromptTooLong`; before it, checking the job again against its own limits: any
+`InvalidRequest`, `PromptTooLarge`) are these same classes: the job's ``error.type`` is the
+class name. A record the worker cannot decode fails with ``CorruptJob``.
 """
 
 from __future__ import annotations
