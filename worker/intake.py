@@ -92,7 +92,8 @@ def read_record(connection, scripts: Scripts, job_id: str, result_ttl_s: int
                 ) -> JobRecord | None:
     """`job_id`'s record, or None: it has none (expired; logged), or it does not decode or
     names no model, and then it is failed with ``CorruptJob`` (unless a worker holds it or
-    it ended: `jobs.scripts.REFUSE`) and counted.
+    it ended: `jobs.scripts.REFUSE`; an ended one loses its undecodable fields only) and
+    counted.
 
     Args:
         scripts: the worker's scripts (`REFUSE`).

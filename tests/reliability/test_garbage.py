@@ -13,10 +13,12 @@ import pytest
 
 from jobs import CorruptJob, JobFailed, JobNotFound, JobState, UnknownModel, keys
 from jobs.queues import enqueue_chunk, intake_queue, move_to_intake, rq_queue_key, sticky_queue
+from jobs.reaper import reap
+from jobs.record import JobRecord
 from jobs.serializer import MsgpackSerializer, packb
 from worker.intake import GuardedQueue
 
-from .helpers import GOOD, MODEL, assert_good, submit_good, work
+from .helpers import GOOD, MODEL, assert_good, assert_logits, submit_good, work
 
 INTAKE = rq_queue_key(keys.intake_queue(MODEL))
 STICKY = rq_queue_key(keys.sticky_queue("w1"))
@@ -227,3 +229,25 @@ def test_one_queue_dequeue_drops_junk_from_rqs_intermediate_list(stack):
     intermediate = client.redis.lrange(STICKY + ":intermediate", 0, -1)
     assert b"\xff" not in intermediate and b"no-such-job" not in intermediate
     assert GuardedQueue.dequeue_any([worker.sticky], None, connection=client.redis) is None
+
+
+def test_junk_in_a_dead_workers_jobs_does_not_stop_the_reaper(stack, tiny64, caplog):
+    worker, client = stack()
+    r = client.redis
+    junk = {"a": {"max_attempts": "x"}, "b": {}, "c": {"failures": "junk"},
+            "d": {"priority": "high"}, "e": {"model": b"\xff"}}
+    for job_id, fields in junk.items():  # all held by w9, whose heartbeat is gone
+        record = JobRecord(job_id, MODEL, tokens=GOOD, state=JobState.PREFILLING,
+                           worker="w9", attempts=1, top_k=5)
+        r.hset(keys.job(job_id), mapping={**record.to_hash(), **fields})
+        r.sadd(keys.worker_jobs("w9"), job_id)
+    r.sadd(keys.WORKERS, "w9")
+    outcomes = {x.job_id: x.outcome for x in reap(r)}  # Lua errors ended the pass before
+    assert outcomes == {"a": "failed", "b": "queued", "c": "queued", "d": "queued"}
+    assert "cannot reap job e of dead worker w9" in caplog.text
+    work(worker)
+    state = {j: client.status(j) for j in "abcd"}
+    assert state["a"].error["type"] == "WorkerLost"  # an unreadable max_attempts: 1
+    assert state["d"].error["type"] == "CorruptJob" and "priority" in state["d"].error["message"]
+    for job_id in "bc":  # c's failures were rewritten by the requeue: it reads again
+        assert_logits(client.result(job_id, timeout=0), tiny64, GOOD)
