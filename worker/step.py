@@ -1,7 +1,9 @@
 """The chunk step and its fenced transitions.
 
 A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
-(`Stepper.admit`): it is tokenized, validated (`jobs.requests.check_token_ids`) and planned,
+(`Stepper.admit`): its record is decoded (`worker.intake.read_record`: one that does not
+decode fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, its ids
+validated (`worker.prepare`, `jobs.requests`) and planned,
 its cache allocated, and it is taken atomically (``queued -> prefilling``,
 `jobs.scripts.START`; the chunk plan is recorded on the job at its first start and reused by
 every later start, so chunk boundaries do not depend on the worker); then its first chunk

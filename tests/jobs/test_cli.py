@@ -173,6 +173,9 @@ def test_a_corrupt_record_and_undecodable_input_are_one_line_errors(redis_server
     for command in ("status", "result"):
         line = one_line_error(light_prefillq(command, "--redis", redis_server, "junk"))
         assert "job junk's record cannot be decoded: cursor" in line
+    for command in ("status", "cancel", "result"):
+        line = one_line_error(light_prefillq(command, "--redis", redis_server, "nope"))
+        assert line == "prefillq: error: no job 'nope' (never submitted, or expired)"
     # bytes that are not UTF-8 on the command line reach Python as lone surrogates
     code = ("import sys\nfrom worker.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     for args, message in (

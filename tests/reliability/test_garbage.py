@@ -7,11 +7,21 @@ and the clients must answer status, cancel and result with typed errors, never a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
+import redis
 
-from jobs import CorruptJob, JobFailed, JobNotFound, JobState, UnknownModel, keys
+from jobs import (
+    AsyncPrefillClient,
+    CorruptJob,
+    JobFailed,
+    JobNotFound,
+    JobState,
+    UnknownModel,
+    keys,
+)
 from jobs.queues import enqueue_chunk, intake_queue, move_to_intake, rq_queue_key, sticky_queue
 from jobs.reaper import reap
 from jobs.record import JobRecord
@@ -251,3 +261,27 @@ def test_junk_in_a_dead_workers_jobs_does_not_stop_the_reaper(stack, tiny64, cap
     assert state["d"].error["type"] == "CorruptJob" and "priority" in state["d"].error["message"]
     for job_id in "bc":  # c's failures were rewritten by the requeue: it reads again
         assert_logits(client.result(job_id, timeout=0), tiny64, GOOD)
+
+
+def test_the_async_client_answers_unknown_and_corrupt_ids_alike(redis_server):
+    r = redis.Redis.from_url(redis_server)
+    job = "corrupt-for-async"
+    r.hset(keys.job(job), mapping={**JobRecord(job, MODEL, tokens=GOOD).to_hash(),
+                                   "cursor": "ten"})
+
+    async def calls():
+        async with AsyncPrefillClient.from_url(redis_server) as aclient:
+            for job_id in ("nope", "", "\udcff", 7):
+                for call in (aclient.status, aclient.cancel,
+                             lambda j: aclient.result(j, timeout=0)):
+                    with pytest.raises(JobNotFound):
+                        await call(job_id)
+            with pytest.raises(CorruptJob, match="cursor"):
+                await aclient.status(job)
+            with pytest.raises(CorruptJob, match="cursor"):
+                await aclient.result(job, timeout=0)
+
+    try:
+        asyncio.run(calls())
+    finally:
+        r.delete(keys.job(job))
