@@ -11,6 +11,7 @@
 from .aio import AsyncPrefillClient
 from .client import PrefillClient
 from .errors import (
+    CorruptJob,
     EmptyPrompt,
     InvalidRequest,
     JobCanceled,
@@ -18,6 +19,7 @@ from .errors import (
     JobNotFound,
     JobTimeout,
     PrefillQError,
+    PromptTooLarge,
     PromptTooLong,
     QueueFull,
     TokenizerMalformed,
@@ -25,12 +27,16 @@ from .errors import (
     TokenOutOfRange,
     UnknownModel,
 )
+from .limits import Limits
 from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
 from .tokenizer import ServedTokenizer
 
 __all__ = [
     "AsyncPrefillClient",
+    "CorruptJob",
     "EmptyPrompt",
+    "Limits",
+    "PromptTooLarge",
     "PromptTooLong",
     "InvalidRequest",
     "JobCanceled",

@@ -25,8 +25,9 @@ from .defaults import (
     DEFAULT_RESULT_TTL_S,
     DEFAULT_TOP_K,
 )
+from .limits import Limits
 from .queues import intake_levels, push_new, rq_queue_key
-from .requests import ModelInfo, check_against_model
+from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL
 from .subscriber import Subscriber
@@ -51,6 +52,8 @@ class AsyncPrefillClient:
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
             set it for the jobs they end; keep the two equal).
+        limits: what `submit` accepts (`jobs.limits.Limits`: prompt bytes and tokens,
+            top_k, prompt_logprobs); workers check every job again against theirs.
     """
 
     def __init__(
@@ -60,12 +63,14 @@ class AsyncPrefillClient:
         pubsub_redis: Redis | None = None,
         max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH,
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+        limits: Limits = DEFAULT_LIMITS,
     ):
         self.redis = redis
         self.pubsub_redis = redis if pubsub_redis is None else pubsub_redis
         self.subscriber = Subscriber(self.pubsub_redis)
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
+        self.limits = limits
         self._cancel = redis.register_script(CANCEL)
 
     @classmethod
@@ -158,19 +163,20 @@ class AsyncPrefillClient:
     ) -> str:
         """Enqueue a prefill; returns the job id. Arguments and errors as
         `PrefillClient.submit` (InvalidRequest and its subclasses PromptTooLong,
-        UnknownModel, TokenOutOfRange; QueueFull).
+        PromptTooLarge, UnknownModel, TokenOutOfRange; QueueFull), checked against this
+        client's `limits`.
 
         The record, the RQ job hash and its queue push land in one MULTI, as the sync
         client's; RQ's hash is built by `jobs.queues.push_new` without blocking the loop.
         """
         record = protocol.submitted_record(
-            prompt=prompt, tokens=tokens, messages=messages,
+            self.limits, prompt=prompt, tokens=tokens, messages=messages,
             add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
             logits=logits, parse_special=parse_special, session=session, priority=priority,
             chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
             max_attempts=max_attempts, prompt_logprobs=prompt_logprobs,
         )
-        check_against_model(record, await self._model(model))
+        check_against_model(record, await self._model(model), self.limits)
         protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
         if idempotency_key is not None:
             claim = keys.idempotency(idempotency_key)
@@ -195,7 +201,8 @@ class AsyncPrefillClient:
     # -- status, cancel, result ----------------------------------------------------------
 
     async def status(self, job_id: str) -> JobStatus:
-        """The job's status. Raises JobNotFound."""
+        """The job's status. Raises JobNotFound, CorruptJob (as `PrefillClient.status`)."""
+        job_id = protocol.checked_id(job_id)
         return protocol.status_of(job_id, await self.redis.hgetall(keys.job(job_id)))
 
     async def cancel(self, job_id: str) -> bool:
@@ -218,6 +225,7 @@ class AsyncPrefillClient:
         re-read at least every WATCH_RECHECK_S covers a lost message). Raises JobNotFound,
         and JobTimeout when `timeout` seconds pass before a terminal state.
         """
+        job_id = protocol.checked_id(job_id)
         deadline = protocol.watch_deadline(timeout)
         async with self.subscriber.subscribe(keys.events(job_id)) as events:
             # the first read waits for the SUBSCRIBE's confirmation: no event is missed
@@ -240,6 +248,7 @@ class AsyncPrefillClient:
             JobCanceled: the job was canceled.
             JobTimeout: not terminal within `timeout`.
             JobNotFound: no such job.
+            CorruptJob: the job's record or its stored result does not decode.
         """
         async with aclosing(self.watch(job_id, timeout)) as statuses:  # unsubscribes at once
             async for status in statuses:

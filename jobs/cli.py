@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .client import PrefillClient, redis_url
 from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
@@ -24,6 +26,15 @@ SAMPLE_PROMPT = "The capital of France is"
 
 class CLIError(Exception):
     """A usage or input error: printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, exit status 2, like
+    every other prefillq error: ``prefillq: error: <what> (see `prefillq submit --help`)``
+    instead of argparse's usage block above it. Its subparsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"prefillq: error: {message} (see `{self.prog} --help`)\n")
 
 
 def int_at_least(minimum: int):
@@ -44,6 +55,18 @@ def int_at_least(minimum: int):
 
 non_negative_int = int_at_least(0)
 positive_int = int_at_least(1)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (seconds to wait); it raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"want a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def add_redis(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -253,5 +276,6 @@ def add_job_commands(sub) -> None:
         if name in ("status", "result"):
             p.add_argument("--json", action="store_true")
         if name == "result":
-            p.add_argument("--wait", type=float, default=0.0, help="seconds to wait (default 0)")
+            p.add_argument("--wait", type=non_negative_float, default=0.0,
+                           help="seconds to wait (default 0)")
         p.set_defaults(func=func)

@@ -22,8 +22,9 @@ from .defaults import (
     DEFAULT_TOP_K,
     REDIS_URL_ENV,
 )
+from .limits import Limits
 from .queues import enqueue_new, intake_depth
-from .requests import ModelInfo, check_against_model
+from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
@@ -71,6 +72,8 @@ class PrefillClient:
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
             set it for the jobs they end; keep the two equal).
+        limits: what `submit` accepts (`jobs.limits.Limits`: prompt bytes and tokens,
+            top_k, prompt_logprobs); workers check every job again against theirs.
     """
 
     def __init__(
@@ -79,10 +82,12 @@ class PrefillClient:
         *,
         max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH,
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+        limits: Limits = DEFAULT_LIMITS,
     ):
         self.redis = redis
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
+        self.limits = limits
         self._scripts = Scripts(redis)
         self._tokenizers = TokenizerCache()
 
@@ -153,23 +158,23 @@ class PrefillClient:
         out of order) with ``ChatTemplateError`` and the template's message.
 
         Raises:
-            InvalidRequest: no input or two, empty/whitespace prompt, empty token list,
-                malformed messages, bad add_generation_prompt, top_k, logits, chunk_tokens
-                or max_attempts, a `prompt_logprobs` K outside [0, MAX_TOP_K] or with a
-                `session`; `PromptTooLong` (a subclass): more token ids than the
-                model's context.
+            InvalidRequest: a bad value of any argument (checked against `limits` before
+                anything reaches Redis; `jobs.requests.new_record`), naming the field: ints
+                are ints (bools, floats, numeric strings refused), flags bools.
+            PromptTooLarge: over ``limits.max_prompt_bytes`` of UTF-8 text; PromptTooLong:
+                more ids than the context (or ``limits.max_prompt_tokens``).
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
             QueueFull: the model's intake queue is at `max_queue_depth`.
         """
         record = protocol.submitted_record(
-            prompt=prompt, tokens=tokens, messages=messages,
+            self.limits, prompt=prompt, tokens=tokens, messages=messages,
             add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
             logits=logits, parse_special=parse_special, session=session, priority=priority,
             chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
             max_attempts=max_attempts, prompt_logprobs=prompt_logprobs,
         )
-        check_against_model(record, self._model(model))
+        check_against_model(record, self._model(model), self.limits)
         protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
         if idempotency_key is not None:
             claim = keys.idempotency(idempotency_key)
@@ -194,7 +199,13 @@ class PrefillClient:
     # -- status, cancel, result ----------------------------------------------------------
 
     def status(self, job_id: str) -> JobStatus:
-        """The job's status. Raises JobNotFound."""
+        """The job's status.
+
+        Raises:
+            JobNotFound: no such job (or an id no job can have: not a non-empty str).
+            CorruptJob: the job's record does not decode (written by something else).
+        """
+        job_id = protocol.checked_id(job_id)
         return protocol.status_of(job_id, self.redis.hgetall(keys.job(job_id)))
 
     def cancel(self, job_id: str) -> bool:
@@ -220,6 +231,7 @@ class PrefillClient:
         Blocks on the job's pub/sub channel (no polling). Raises JobNotFound, and
         JobTimeout when `timeout` seconds pass before a terminal state.
         """
+        job_id = protocol.checked_id(job_id)
         deadline = protocol.watch_deadline(timeout)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(keys.events(job_id))
@@ -244,6 +256,7 @@ class PrefillClient:
             JobCanceled: the job was canceled.
             JobTimeout: not terminal within `timeout`.
             JobNotFound: no such job.
+            CorruptJob: the job's record or its stored result does not decode.
         """
         for status in self.watch(job_id, timeout):
             if status.state.is_terminal:

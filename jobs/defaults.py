@@ -10,6 +10,20 @@ DEFAULT_TOP_K = 20
 # top-k beyond this is a full-logits request in disguise: ask for logits="full" instead.
 MAX_TOP_K = 1000
 DEFAULT_MAX_ATTEMPTS = 3
+# More restarts than this are a loop, not a recovery.
+MAX_ATTEMPTS = 100
+# Priorities are levels, each its own intake queue that every worker polls: a thousand each
+# way is more levels than any scheduler needs, and keeps a client from minting queues.
+MAX_PRIORITY = 1000
+# Model names, session ids and idempotency keys become parts of Redis keys.
+MAX_NAME_BYTES = 1024
+# Prompt text per job: the largest serving context, DeepSeek-V4-Flash's 1M tokens, is ~4 MiB
+# of typical text (~4 bytes/token), so twice that refuses only mistakes and abuse at submit,
+# before a worker spends seconds tokenizing it (a 10 MB prompt took 15 s).
+DEFAULT_MAX_PROMPT_BYTES = 8 * 1024 * 1024
+# Per-position top-K of prompt_logprobs costs 8 bytes per prompt token per K in Redis
+# (32K tokens at K=20: 5 MiB); vLLM's max_logprobs defaults to 20 too.
+DEFAULT_MAX_PROMPT_LOGPROBS = 20
 # `submit` raises QueueFull past this many queued jobs per model (all priorities).
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
 

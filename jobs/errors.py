@@ -1,8 +1,10 @@
 """Errors a client sees. Input errors are raised at `submit`; a job that fails later carries
 ``error.type`` (e.g. ``PromptTooLong``, ``ModelError``, ``WorkerLost``) in its status.
 
-The input errors a worker finds after tokenizing (`EmptyPrompt`, `TokenOutOfRange`,
-`PromptTooLong`) are these same classes: the job's ``error.type`` is the class name.
+The input errors a worker finds (after tokenizing: `EmptyPrompt`, `TokenOutOfRange`,
+`PromptTooLong`; before it, checking the job again against its own limits: any
+`InvalidRequest`, `PromptTooLarge`) are these same classes: the job's ``error.type`` is the
+class name. A record the worker cannot decode fails with ``CorruptJob``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ class PrefillQError(Exception):
 
 
 class InvalidRequest(PrefillQError, ValueError):
-    """The submitted job is malformed (no input, two inputs, empty prompt, bad top_k, ...)."""
+    """The submitted job is malformed (no input, two inputs, empty prompt, bad top_k, ...).
+
+    The message starts with the offending field's name (``top_k must be ...``,
+    ``tokens[3] must be ...``). The worker checks every job again when it starts it, so a
+    job a foreign or older client enqueued fails with the same error type."""
 
 
 class UnknownModel(InvalidRequest):
@@ -56,7 +62,26 @@ class EmptyPrompt(InvalidRequest):
 
 
 class PromptTooLong(InvalidRequest):
-    """The prompt has more tokens than the model's serving context."""
+    """The prompt has more tokens than the model's serving context (or the client's or
+    worker's ``Limits.max_prompt_tokens``)."""
+
+
+class PromptTooLarge(PromptTooLong):
+    """The prompt (or the chat messages' text) has more UTF-8 bytes than
+    ``Limits.max_prompt_bytes``: refused at `submit` before it reaches Redis, and again by
+    the worker before it tokenizes."""
+
+
+class CorruptJob(PrefillQError, ValueError):
+    """A job's Redis record (or its result) cannot be decoded: it was written by something
+    other than prefillq, truncated, or garbled. Attribute ``fields``: the names of the
+    fields that do not decode. `status` and `result` raise it; a worker that dequeues such a
+    job fails it with ``error.type`` ``CorruptJob`` (dropping the undecodable fields, so its
+    status reads again)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.fields = tuple(fields)
 
 
 class TokenizerUnavailable(PrefillQError):

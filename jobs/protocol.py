@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from . import keys
 from .errors import (
+    CorruptJob,
     JobCanceled,
     JobFailed,
     JobNotFound,
@@ -22,30 +23,50 @@ from .errors import (
     TokenizerUnavailable,
     UnknownModel,
 )
+from .limits import Limits
 from .record import JobRecord
 from .requests import ModelInfo, new_record
 from .schema import JobState, JobStatus, PrefillResult, now
-from .serializer import unpackb
+from .serializer import DECODE_ERRORS, unpackb
 from .tokenizer import ServedTokenizer
 
 # `watch` re-reads the job at least this often (seconds), in case a pub/sub message was lost.
 WATCH_RECHECK_S = 1.0
 
 
-def submitted_record(**submit) -> JobRecord:
-    """A new job's queued record under a fresh id, from `submit`'s keywords (checked by
-    `jobs.requests.new_record`, whose errors it raises)."""
-    return new_record(uuid.uuid4().hex, enqueued_at=now(), **submit)
+def submitted_record(limits: Limits, **submit) -> JobRecord:
+    """A new job's queued record under a fresh id, from `submit`'s keywords (checked against
+    `limits` by `jobs.requests.new_record`, whose errors it raises)."""
+    return new_record(uuid.uuid4().hex, enqueued_at=now(), limits=limits, **submit)
 
 
 def model_info(name: str, blob: bytes) -> ModelInfo:
-    """Decode one ``keys.MODELS`` entry (msgpack) of model `name`."""
-    return ModelInfo(name=name, **unpackb(blob))
+    """Decode one ``keys.MODELS`` entry (msgpack) of model `name`.
+
+    Raises:
+        UnknownModel: the entry does not decode (written by something other than a worker;
+            the model's workers rewrite it with every heartbeat).
+    """
+    try:
+        info = ModelInfo(name=name, **unpackb(blob))
+        if not all(isinstance(getattr(info, f), int) for f in ("vocab_size", "context_length")):
+            raise TypeError("vocab_size and context_length must be integers")
+        return info
+    except DECODE_ERRORS as e:
+        raise UnknownModel(f"model {name!r}'s registration cannot be decoded "
+                           f"({type(e).__name__}: {e})") from e
 
 
 def models_of(raw: Mapping[bytes, bytes]) -> dict[str, ModelInfo]:
-    """Decode HGETALL ``keys.MODELS``: the registered models by name."""
-    return {name.decode(): model_info(name.decode(), blob) for name, blob in raw.items()}
+    """Decode HGETALL ``keys.MODELS``: the registered models by name (entries that do not
+    decode are left out)."""
+    out = {}
+    for name, blob in raw.items():
+        try:
+            out[name.decode()] = model_info(name.decode(), blob)
+        except (UnicodeDecodeError, UnknownModel):
+            continue
+    return out
 
 
 def unknown_model(name: str, registered: Mapping[str, ModelInfo]) -> UnknownModel:
@@ -76,19 +97,37 @@ def check_depth(model: str, depth: int, max_queue_depth: int) -> None:
         raise QueueFull(f"intake queues of {model} hold {max_queue_depth} jobs")
 
 
-def not_found(job_id: str) -> JobNotFound:
+def not_found(job_id: object) -> JobNotFound:
     return JobNotFound(f"no job {job_id!r} (never submitted, or expired)")
 
 
+def checked_id(job_id: object) -> str:
+    """`job_id` if it can name a job (a non-empty str that UTF-8 encodes), checked before
+    any Redis call. Raises JobNotFound otherwise (no job has such an id)."""
+    if not isinstance(job_id, str) or not job_id:
+        raise not_found(job_id)
+    try:
+        job_id.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise not_found(job_id) from e
+    return job_id
+
+
 def status_of(job_id: str, raw: Mapping[bytes, bytes]) -> JobStatus:
-    """Decode HGETALL of the job's record. Raises JobNotFound on an empty reply."""
+    """Decode HGETALL of the job's record.
+
+    Raises:
+        JobNotFound: an empty reply.
+        CorruptJob: the record does not decode (`JobRecord.from_hash`).
+    """
     if not raw:
         raise not_found(job_id)
     return JobRecord.from_hash(job_id, dict(raw)).status()
 
 
 def cancel_keys(job_id: str) -> list[str]:
-    """KEYS of ``scripts.CANCEL`` for `job_id`."""
+    """KEYS of ``scripts.CANCEL`` for `job_id`. Raises JobNotFound for an id no job has."""
+    job_id = checked_id(job_id)
     return [keys.job(job_id), keys.cancel(job_id), keys.events(job_id)]
 
 
@@ -146,13 +185,22 @@ def check_finished(job_id: str, status: JobStatus) -> None:
         JobCanceled: the job was canceled.
     """
     if status.state == JobState.FAILED:
-        raise JobFailed(job_id, status.error["type"], status.error["message"])
+        error = status.error or {"type": "unknown", "message": "the record holds no error"}
+        raise JobFailed(job_id, error["type"], error["message"])
     if status.state == JobState.CANCELED:
         raise JobCanceled(f"job {job_id} was canceled at cursor {status.cursor}")
 
 
-def result_of(job_id: str, blob: bytes, logits: bytes | None,
+def result_of(job_id: str, blob: bytes | None, logits: bytes | None,
               prompt_logprobs: bytes | None = None) -> PrefillResult:
     """Decode a finished job's ``result`` field, its logits key and its prompt logprobs key
-    (each None when absent)."""
-    return PrefillResult.from_blob(job_id, blob, logits, prompt_logprobs)
+    (each None when absent).
+
+    Raises:
+        CorruptJob: the result is missing or any of them does not decode.
+    """
+    try:
+        return PrefillResult.from_blob(job_id, blob, logits, prompt_logprobs)
+    except DECODE_ERRORS as e:
+        raise CorruptJob(f"job {job_id}'s result cannot be decoded ({type(e).__name__}: "
+                         f"{str(e)[:200]})", fields=("result",)) from e

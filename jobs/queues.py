@@ -201,7 +201,8 @@ def move_to_intake(redis: Redis, worker: str) -> list[str]:
     the queue: `worker` is stopping or dead, and routing is only a preference. Returns the
     job ids moved."""
     own = sticky_queue(redis, worker)
-    moved = [job_id_of(rq_id) for rq_id in own.get_job_ids()]
+    moved = [job_id_of(rq_id.decode()) for rq_id in redis.lrange(own.key, 0, -1)
+             if _is_text(rq_id)]  # anything else is junk someone pushed: dropped below
     with redis.pipeline() as pipe:
         pipe.multi()
         for job_id in moved:
@@ -211,12 +212,32 @@ def move_to_intake(redis: Redis, worker: str) -> list[str]:
     return moved
 
 
+def _is_text(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,
                       at_front: bool = False) -> None:
     """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline` when
     given; at the queue's head with `at_front`). A stray execution of a job that is not
-    queued any more is skipped by the worker's START."""
+    queued any more is skipped by the worker's START.
+
+    Raises:
+        UnicodeDecodeError: the record's model is not UTF-8 (junk: no intake queue has it).
+    """
     model, priority = redis.hmget(keys.job(job_id), "model", "priority")
     if model is not None:  # an expired record needs no RQ job
-        queue = intake_queue(redis, model.decode(), int(priority or 0))
+        queue = intake_queue(redis, model.decode(), _priority(priority))
         enqueue_chunk(queue, job_id, pipeline=pipeline, at_front=at_front)
+
+
+def _priority(raw: bytes | None) -> int:
+    # junk in the field (its record is corrupt: the worker fails it) goes to priority 0
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0

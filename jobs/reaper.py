@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.exceptions import ResponseError
 
 from . import keys, stats
 from .defaults import DEFAULT_RESULT_TTL_S
@@ -43,6 +44,21 @@ def dead_workers(redis: Redis) -> list[str]:
     return [name for name, beat in zip(names, alive, strict=True) if not beat]
 
 
+def _reap_job(redis: Redis, scripts: Scripts, worker: str, job_id: str,
+              result_ttl_s: int) -> str:
+    """Requeue (or fail) one job of dead `worker` in one MULTI; returns REAP's outcome."""
+    with redis.pipeline() as pipe:
+        pipe.multi()
+        scripts.reap(
+            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
+            args=[worker, 0, now(), result_ttl_s, "1", "WorkerLost",
+                  f"worker {worker} stopped heartbeating while holding the job"],
+            client=pipe,
+        )
+        requeue_to_intake(redis, job_id, pipe)  # a stray RQ job is skipped by START
+        return pipe.execute()[0].decode()
+
+
 def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reaped]:
     """One pass: requeue (or fail) every job of every dead worker, then forget the worker."""
     scripts = Scripts(redis)
@@ -50,17 +66,12 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
     for worker in dead_workers(redis):
         ended = []
         for raw in redis.smembers(keys.worker_jobs(worker)):
-            job_id = raw.decode()
-            with redis.pipeline() as pipe:
-                pipe.multi()
-                scripts.reap(
-                    keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-                    args=[worker, 0, now(), result_ttl_s, "1", "WorkerLost",
-                          f"worker {worker} stopped heartbeating while holding the job"],
-                    client=pipe,
-                )
-                requeue_to_intake(redis, job_id, pipe)  # a stray RQ job is skipped by START
-                outcome = pipe.execute()[0].decode()
+            job_id = raw.decode("utf-8", "replace")
+            try:
+                outcome = _reap_job(redis, scripts, worker, job_id, result_ttl_s)
+            except (ResponseError, ValueError) as error:  # junk in its record: not the others'
+                log.error("cannot reap job %s of dead worker %s: %s", job_id, worker, error)
+                continue
             reaped.append(Reaped(worker, job_id, outcome))
             ended.append(stats.terminal(outcome))
             log.warning("reaped job %s of dead worker %s: %s", job_id, worker, outcome)

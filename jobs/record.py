@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_TOP_K
+from .errors import CorruptJob
 from .schema import JobState, JobStatus, LogitsMode
-from .serializer import packb, unpackb
+from .serializer import DECODE_ERRORS, packb, unpackb
 
 
 @dataclass
@@ -85,16 +86,29 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
-        """Decode an HGETALL reply; unknown fields are ignored, missing ones default.
+        """Decode an HGETALL reply; unknown fields are ignored, missing ones default (but
+        ``state``, which every record has).
 
         Raises:
-            ValueError: a field holds a value its type cannot decode (a corrupt record).
+            CorruptJob: (a ValueError) fields hold values their types cannot decode (bad
+                msgpack, a non-integer, non-UTF-8 text, an unknown state), or ``state`` is
+                missing; ``fields`` names them all.
         """
         values: dict[str, Any] = {"job_id": job_id}
+        bad: dict[str, str] = {}
         for name, blob in raw.items():
-            name = name.decode()
+            name = name.decode("utf-8", "replace")
             if name in _CODECS and name != "job_id" and blob != b"":
-                values[name] = _CODECS[name][1](blob)
+                try:
+                    values[name] = _CODECS[name][1](blob)
+                except DECODE_ERRORS as e:
+                    bad[name] = f"{type(e).__name__}: {e}"
+        if "state" not in values and "state" not in bad:
+            bad["state"] = "missing"
+        if bad:
+            detail = "; ".join(f"{k} ({v[:80]})" for k, v in sorted(bad.items()))
+            raise CorruptJob(f"job {job_id}'s record cannot be decoded: {detail}",
+                             fields=tuple(sorted(bad)))
         values.setdefault("model", "")
         return cls(**values)
 
@@ -148,7 +162,11 @@ def _flag(blob: bytes) -> bool:
 
 
 def _ids(blob: bytes) -> list[int]:
-    return [int(t) for t in unpackb(blob)]
+    ids = unpackb(blob)
+    # exactly ints (token ids, chunk boundaries): a float or a bool is corrupt, never cut
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise ValueError("not a msgpack list of integers")
+    return ids
 
 
 def _messages(blob: bytes) -> list[dict]:

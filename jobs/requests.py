@@ -1,20 +1,34 @@
 """Validation of a submitted prefill, shared by every client and by the worker.
 
-`new_record` checks what can be checked without Redis and builds the job's record;
-`check_token_ids` checks token ids against a model's limits, at submit (for ``tokens=``) and
-in the worker (after tokenizing a text prompt), so both raise the same typed errors.
+`new_record` checks a submit's keywords and builds the job's record; `check_record` runs the
+same checks on a record the worker decoded, against the worker's own `Limits`, so a job a
+foreign or older client enqueued fails with the same typed errors; `check_token_ids` checks
+token ids against a model, at submit (for ``tokens=``) and in the worker (after tokenizing a
+text prompt). Every error is an `InvalidRequest` (or a subclass) whose message starts with
+the offending field's name; nothing else escapes, whatever the caller passes.
+
+Integers are real ``int``s (numpy integer scalars too, through ``__index__``): a bool, a
+float or a numeric string is refused, never rounded or parsed.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import MAX_TOP_K
-from .errors import EmptyPrompt, InvalidRequest, PromptTooLong, TokenOutOfRange
+from .defaults import MAX_ATTEMPTS, MAX_NAME_BYTES, MAX_PRIORITY
+from .errors import EmptyPrompt, InvalidRequest, PromptTooLarge, PromptTooLong, TokenOutOfRange
+from .limits import Limits
 from .record import JobRecord
 from .schema import LogitsMode
+
+DEFAULT_LIMITS = Limits()
+# chunk_tokens beyond this exceed every context (and stay a 32-bit integer everywhere)
+MAX_CHUNK_TOKENS = 2**31 - 1
+# a bad value is quoted in the error at most this long (it may be a 10 MB string)
+_SHOWN_CHARS = 60
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,8 @@ class ModelInfo:
 def check_token_ids(ids: Sequence[int], vocab_size: int, context_length: int) -> None:
     """Raise unless `ids` is a non-empty prompt of in-vocabulary ids that fits the context.
 
+    Args:
+        context_length: the most tokens allowed (`Limits.prompt_tokens` of the model's).
     Raises:
         EmptyPrompt: no ids.
         TokenOutOfRange: an id outside ``[0, vocab_size)``.
@@ -43,30 +59,35 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, context_length: int) ->
         raise TokenOutOfRange(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(ids) > context_length:
         raise PromptTooLong(
-            f"prompt has {len(ids)} tokens, more than the serving context of {context_length}"
-        )
+            f"prompt has {len(ids)} tokens, more than the limit of {context_length} (the "
+            "serving context, or a lower Limits.max_prompt_tokens)")
 
 
 # the keys of one chat message: the template reads both, and nothing else is stored
 MESSAGE_KEYS = frozenset({"role", "content"})
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def check_messages(messages: Any, max_bytes: int | None = None) -> list[dict[str, str]]:
     """Copies of `messages` if they are a chat the worker can render, else raise.
 
+    Args:
+        max_bytes: the most UTF-8 bytes of all roles and contents together (None: no limit).
     Returns:
         ``[{"role": str, "content": str}, ...]`` in the given order.
 
     Raises:
         InvalidRequest: `messages` is not a non-empty list, or an entry is not a dict with
-            exactly the keys ``role`` and ``content``, both strings, the role non-empty.
+            exactly the keys ``role`` and ``content``, both strings, the role non-empty, or a
+            string holds a lone surrogate (not encodable as UTF-8).
+        PromptTooLarge: more than `max_bytes` bytes.
     """
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
         raise InvalidRequest("messages must be a non-empty list of {role, content} dicts")
-    out = []
+    out, size = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or set(message) != MESSAGE_KEYS:
-            keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+            keys = (sorted(map(str, message)) if isinstance(message, Mapping)
+                    else type(message).__name__)
             raise InvalidRequest(f"messages[{i}] must be a dict with keys role and content, "
                                  f"got {keys}")
         role, content = message["role"], message["content"]
@@ -74,27 +95,169 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequest(f"messages[{i}]: role must be a non-empty string and content "
                                  f"a string, got {type(role).__name__} and "
                                  f"{type(content).__name__}")
+        size += utf8_size(f"messages[{i}].role", role)
+        size += utf8_size(f"messages[{i}].content", content)
         out.append({"role": role, "content": content})
+    if max_bytes is not None and size > max_bytes:
+        raise PromptTooLarge(f"messages have {size} UTF-8 bytes of text, more than the limit "
+                             f"of {max_bytes} (Limits.max_prompt_bytes)")
     return out
 
 
-def _check_input(prompt: str | None, tokens: Sequence[int] | None, messages: Any,
-                 add_generation_prompt: Any) -> list[dict[str, str]] | None:
-    """Exactly one input, well formed; returns the checked `messages` (or None).
+def utf8_size(name: str, text: str) -> int:
+    """Bytes of `text` in UTF-8. Raises InvalidRequest naming `name` on a lone surrogate."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{name} is not valid text: {text[e.start]!r} at index {e.start} "
+                             "is a lone surrogate, which UTF-8 cannot encode") from e
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+def integer(name: str, value: Any) -> int:
+    """`value` as an int if it is one (or a numpy integer). Raises InvalidRequest naming
+    `name` for anything else: a bool, a float (never truncated), a string."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__} "
+                         f"{_shown(value)}")
+
+
+def int_in(name: str, value: Any, low: int, high: int) -> int:
+    """`integer` within ``[low, high]``. Raises InvalidRequest naming `name`."""
+    value = integer(name, value)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """`value` if it is True or False. Raises InvalidRequest naming `name`."""
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be True or False, got {_shown(value)}")
+    return value
+
+
+def name_of(field: str, value: Any, optional: bool = False) -> str | None:
+    """`value` if it is a non-empty string of at most ``MAX_NAME_BYTES`` UTF-8 bytes (or
+    None, when `optional`). Raises InvalidRequest naming `field`."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{field} must be a non-empty string, got {_shown(value)}")
+    if utf8_size(field, value) > MAX_NAME_BYTES:
+        raise InvalidRequest(f"{field} is over {MAX_NAME_BYTES} bytes")
+    return value
+
+
+def token_list(tokens: Any) -> list[int]:
+    """`tokens` as a new list of ints: a list, tuple or range of integers, or an integer
+    array (numpy, ``array.array``: through ``.tolist()``). Raises InvalidRequest naming
+    ``tokens`` or the offending ``tokens[i]`` (a bool, a float, a string)."""
+    if not isinstance(tokens, (list, tuple, range)) and hasattr(tokens, "tolist") and \
+            not isinstance(tokens, (str, bytes, Mapping)):
+        tokens = tokens.tolist()
+    if not isinstance(tokens, (list, tuple, range)):
+        raise InvalidRequest(f"tokens must be a list of integer token ids, got "
+                             f"{type(tokens).__name__}")
+    if len(tokens) == 0:
+        raise InvalidRequest("tokens is empty")
+    if all(type(t) is int for t in tokens):
+        return list(tokens)
+    return [integer(f"tokens[{i}]", t) for i, t in enumerate(tokens)]
+
+
+def prompt_text(prompt: Any, limits: Limits) -> str:
+    """`prompt` if it is non-blank text within ``limits.max_prompt_bytes``.
 
     Raises:
-        InvalidRequest: as `new_record`.
+        InvalidRequest: not a str, blank, or holding a lone surrogate.
+        PromptTooLarge: more UTF-8 bytes than the limit.
     """
-    if sum(x is not None for x in (prompt, tokens, messages)) != 1:
-        raise InvalidRequest("give exactly one of prompt, tokens or messages")
-    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}")
+    limit = limits.max_prompt_bytes
+    if len(prompt) > limit:  # every character is a byte at least: no need to encode it
+        raise PromptTooLarge(f"prompt has at least {len(prompt)} UTF-8 bytes, more than the "
+                             f"limit of {limit} (Limits.max_prompt_bytes)")
+    size = utf8_size("prompt", prompt)
+    if size > limit:
+        raise PromptTooLarge(f"prompt has {size} UTF-8 bytes, more than the limit of {limit} "
+                             "(Limits.max_prompt_bytes)")
+    if not prompt.strip():
         raise InvalidRequest("prompt is empty")
-    if tokens is not None and len(tokens) == 0:
-        raise InvalidRequest("tokens is empty")
-    if not isinstance(add_generation_prompt, bool):
-        raise InvalidRequest(f"add_generation_prompt must be True or False, "
-                             f"got {add_generation_prompt!r}")
-    return None if messages is None else check_messages(messages)
+    return prompt
+
+
+def _inputs(prompt: Any, tokens: Any, messages: Any, limits: Limits) -> dict[str, Any]:
+    """The one input given, checked: ``prompt``, ``tokens`` and ``messages`` values."""
+    given = [n for n, v in (("prompt", prompt), ("tokens", tokens), ("messages", messages))
+             if v is not None]
+    if len(given) != 1:
+        raise InvalidRequest("give exactly one of prompt, tokens or messages"
+                             + (f", got {' and '.join(given)}" if given else ""))
+    return {
+        "prompt": None if prompt is None else prompt_text(prompt, limits),
+        "tokens": None if tokens is None else token_list(tokens),
+        "messages": None if messages is None else check_messages(messages,
+                                                                 limits.max_prompt_bytes),
+    }
+
+
+def _logits_mode(logits: Any) -> LogitsMode:
+    try:
+        return LogitsMode(logits)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"logits must be none, top_k or full, got {_shown(logits)}") from e
+
+
+def _prompt_logprobs(k: Any, session: str | None, limits: Limits) -> int | None:
+    """An int in ``[0, limits.max_prompt_logprobs]`` or None, and not with a `session` (its
+    cached prefix has no per-position results). Raises InvalidRequest."""
+    if k is None:
+        return None
+    k = int_in("prompt_logprobs", k, 0, limits.max_prompt_logprobs)
+    if session is not None:
+        raise InvalidRequest("prompt_logprobs cannot be used with a session: the session's "
+                             "cached prefix has no per-position log-probabilities")
+    return k
+
+
+def checked_fields(limits: Limits, *, prompt: Any, tokens: Any, messages: Any,
+                   add_generation_prompt: Any, model: Any, top_k: Any, logits: Any,
+                   parse_special: Any, session: Any, priority: Any, prompt_logprobs: Any,
+                   chunk_tokens: Any, idempotency_key: Any, max_attempts: Any) -> dict:
+    """`submit`'s keywords checked against `limits`, as `JobRecord` fields (``logits``
+    becomes ``logits_mode``; sequences become new lists).
+
+    Raises:
+        InvalidRequest (naming the field), PromptTooLarge: see `new_record`.
+    """
+    session = name_of("session", session, optional=True)
+    return {
+        **_inputs(prompt, tokens, messages, limits),
+        "model": name_of("model", model),
+        "add_generation_prompt": flag("add_generation_prompt", add_generation_prompt),
+        "top_k": int_in("top_k", top_k, 0, limits.max_top_k),
+        "logits_mode": _logits_mode(logits),
+        "parse_special": flag("parse_special", parse_special),
+        "priority": int_in("priority", priority, -MAX_PRIORITY, MAX_PRIORITY),
+        "chunk_tokens": None if chunk_tokens is None else int_in(
+            "chunk_tokens", chunk_tokens, 1, MAX_CHUNK_TOKENS),
+        "session": session,
+        "prompt_logprobs": _prompt_logprobs(prompt_logprobs, session, limits),
+        "idempotency_key": name_of("idempotency_key", idempotency_key, optional=True),
+        "max_attempts": int_in("max_attempts", max_attempts, 1, MAX_ATTEMPTS),
+    }
 
 
 def new_record(
@@ -115,67 +278,57 @@ def new_record(
     idempotency_key: str | None,
     max_attempts: int,
     enqueued_at: float,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> JobRecord:
     """Check a submit's arguments (see `PrefillClient.submit`) and build its queued record.
 
-    Token ids are not checked against the model here (`check_token_ids` does that), nor
+    Token ids are not checked against the model here (`check_against_model` does that), nor
     messages against its chat template (the worker renders them).
 
     Raises:
-        InvalidRequest: no input or two, empty/whitespace prompt, empty token list, malformed
-            messages (`check_messages`), a non-bool add_generation_prompt, bad top_k,
-            logits, chunk_tokens, max_attempts or prompt_logprobs (`_check_prompt_logprobs`).
+        InvalidRequest: naming the field: no input or two; a prompt that is not a str, is
+            blank or holds a lone surrogate; tokens that are not a non-empty list of ints
+            (bools and floats refused); malformed messages (`check_messages`); a model,
+            session or idempotency_key that is not a non-empty str of at most
+            ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a bool; top_k
+            outside [0, limits.max_top_k]; logits not none/top_k/full; priority outside
+            [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts outside [1,
+            MAX_ATTEMPTS]; prompt_logprobs outside [0, limits.max_prompt_logprobs] or with
+            a session.
+        PromptTooLarge: the prompt's (or messages') UTF-8 bytes exceed
+            ``limits.max_prompt_bytes``.
     """
-    messages = _check_input(prompt, tokens, messages, add_generation_prompt)
-    if not 0 <= int(top_k) <= MAX_TOP_K:
-        raise InvalidRequest(f"top_k must be in [0, {MAX_TOP_K}], got {top_k}")
-    try:
-        logits_mode = LogitsMode(logits)
-    except ValueError as e:
-        raise InvalidRequest(f"logits must be none, top_k or full, got {logits!r}") from e
-    if chunk_tokens is not None and int(chunk_tokens) < 1:
-        raise InvalidRequest(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    _check_prompt_logprobs(prompt_logprobs, session)
-    if int(max_attempts) < 1:
-        raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
-    return JobRecord(
-        job_id=job_id,
-        model=model,
-        prompt=prompt,
-        tokens=None if tokens is None else [int(t) for t in tokens],
-        messages=messages,
-        add_generation_prompt=add_generation_prompt,
-        top_k=int(top_k),
-        logits_mode=logits_mode,
-        parse_special=bool(parse_special),
-        priority=int(priority),
-        chunk_tokens=None if chunk_tokens is None else int(chunk_tokens),
-        session=session,
-        prompt_logprobs=prompt_logprobs,
-        idempotency_key=idempotency_key,
-        max_attempts=int(max_attempts),
-        enqueued_at=enqueued_at,
-    )
+    fields = checked_fields(
+        limits, prompt=prompt, tokens=tokens, messages=messages,
+        add_generation_prompt=add_generation_prompt, model=model, top_k=top_k, logits=logits,
+        parse_special=parse_special, session=session, priority=priority,
+        prompt_logprobs=prompt_logprobs, chunk_tokens=chunk_tokens,
+        idempotency_key=idempotency_key, max_attempts=max_attempts)
+    return JobRecord(job_id=job_id, enqueued_at=enqueued_at, **fields)
 
 
-def _check_prompt_logprobs(k: object, session: str | None) -> None:
-    """An int in ``[0, MAX_TOP_K]`` or None, and not with a `session` (its cached prefix has
-    no per-position results). Raises InvalidRequest."""
-    if k is None:
-        return
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_K:
-        raise InvalidRequest(f"prompt_logprobs must be an int in [0, {MAX_TOP_K}] or None, "
-                             f"got {k!r}")
-    if session is not None:
-        raise InvalidRequest("prompt_logprobs cannot be used with a session: the session's "
-                             "cached prefix has no per-position log-probabilities")
+def check_record(record: JobRecord, limits: Limits = DEFAULT_LIMITS) -> None:
+    """`new_record`'s checks on a decoded record (the worker's, before it tokenizes).
+
+    Raises:
+        InvalidRequest, PromptTooLarge: as `new_record`.
+    """
+    checked_fields(
+        limits, prompt=record.prompt, tokens=record.tokens, messages=record.messages,
+        add_generation_prompt=record.add_generation_prompt, model=record.model,
+        top_k=record.top_k, logits=record.logits_mode, parse_special=record.parse_special,
+        session=record.session, priority=record.priority,
+        prompt_logprobs=record.prompt_logprobs, chunk_tokens=record.chunk_tokens,
+        idempotency_key=record.idempotency_key, max_attempts=record.max_attempts)
 
 
-def check_against_model(record: JobRecord, info: ModelInfo) -> None:
-    """Check a record's token ids (if it has ids, not text) against `info`'s limits.
+def check_against_model(record: JobRecord, info: ModelInfo,
+                        limits: Limits = DEFAULT_LIMITS) -> None:
+    """Check a record's token ids (if it has ids, not text) against `info`'s vocabulary and
+    the smaller of its context and ``limits.max_prompt_tokens``.
 
     Raises:
         TokenOutOfRange, PromptTooLong: as `check_token_ids`.
     """
     if record.tokens is not None:
-        check_token_ids(record.tokens, info.vocab_size, info.context_length)
+        check_token_ids(record.tokens, info.vocab_size, limits.prompt_tokens(info.context_length))

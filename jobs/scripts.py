@@ -124,12 +124,15 @@ return 'failed'
 # Back to intake at cursor 0, or `failed` once failures reach max_attempts. Canceled wins.
 # ARGV[5] '1' if a failure caused this (a SIGTERM hand-back is not one), ARGV[6] error
 # type, ARGV[7] message (used when the job fails).
+# A count that is not a number (junk written into Redis) reads as 0 failures and 1 attempt
+# allowed, so the script still decides instead of raising (which would stop a reap pass).
 _REQUEUE_BODY = """
-local failures = tonumber(redis.call('HGET', KEYS[1], 'failures') or '0')
+local failures = tonumber(redis.call('HGET', KEYS[1], 'failures')) or 0
 if ARGV[5] == '1' then
-  failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)
+  failures = failures + 1
+  redis.call('HSET', KEYS[1], 'failures', failures)
 end
-if failures >= tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1') then
+if failures >= (tonumber(redis.call('HGET', KEYS[1], 'max_attempts')) or 1) then
   redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[6],
              'error_message', ARGV[7], 'updated_at', ARGV[3], 'finished_at', ARGV[3])
   redis.call('EXPIRE', KEYS[1], ARGV[4])
@@ -188,6 +191,25 @@ end
 return 'unchanged'
 """
 
+# A worker refuses a job whose record does not decode (`jobs.errors.CorruptJob`): its
+# undecodable fields are dropped so that its status reads again, and unless it ended it fails
+# at once. A job a worker holds is left alone (its fence fields may be the ones to drop).
+# No fence otherwise: its attempt and worker fields may be the corrupt ones.
+# KEYS[1] job, KEYS[2] events; ARGV[1] now, ARGV[2] TTL (s), ARGV[3] error type,
+# ARGV[4] message, ARGV[5..] the fields to drop.
+REFUSE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+if state == 'prefilling' then return 'unchanged' end
+if #ARGV > 4 then redis.call('HDEL', KEYS[1], unpack(ARGV, 5)) end
+if state == 'finished' or state == 'failed' or state == 'canceled' then return 'unchanged' end
+redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[3], 'error_message', ARGV[4],
+           'updated_at', ARGV[1], 'finished_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[2], 'failed')
+return 'failed'
+"""
+
 # A worker stops keeping a session's slot: forget it as the holder unless another worker
 # has taken the session over since. KEYS[1] the holder key; ARGV[1] the worker.
 RELEASE_SESSION = """
@@ -209,3 +231,4 @@ class Scripts:
         self.cancel: Script = redis.register_script(CANCEL)
         self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
         self.release_session: Script = redis.register_script(RELEASE_SESSION)
+        self.refuse: Script = redis.register_script(REFUSE)

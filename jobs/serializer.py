@@ -7,6 +7,10 @@ from typing import Any
 
 import msgpack
 
+# What decoding bytes that anyone could have written raises, from msgpack itself (its errors
+# are ValueErrors) to the shape checks after it: a corrupt value, not a bug of ours.
+DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError)
+
 
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)

@@ -186,7 +186,9 @@ def resolve(spec: str) -> tuple[str, Path, str | None]:
         raise ModelNotFound(f"{name} has no weights here (config only: use `prefillq plan`)")
     if name not in BUILTIN_MODELS:
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise ModelNotFound(f"unknown model {name!r}; known: {known} (or NAME=/path/file.gguf)")
+        config_only = ", ".join(sorted(CONFIG_ONLY_MODELS))
+        raise ModelNotFound(f"unknown model {name!r}; known: {known}, and {config_only} "
+                            "(config only: `prefillq plan`), or NAME=/path/file.gguf")
     path, sha = BUILTIN_MODELS[name]()
     return name, path, sha
 
@@ -254,7 +256,8 @@ def plan_for(spec: str, context_length: int | None = None, kv_dtype: mx.Dtype = 
         ``context_length``, ``kv_dtype``, ``bytes_per_token``, ``fixed_bytes`` and
         ``resident_bytes``.
     Raises:
-        ModelNotFound, GGUFError, and the plan's errors (e.g. an empty or too long context).
+        ModelNotFound, GGUFError, ValueError (`context_length` over the model's), and the
+        plan's errors (e.g. an empty context).
     """
     if spec in CONFIG_ONLY_MODELS:
         architecture, make_args = CONFIG_ONLY_MODELS[spec]
@@ -264,5 +267,9 @@ def plan_for(spec: str, context_length: int | None = None, kv_dtype: mx.Dtype = 
         gguf = read_gguf(path)
         arch = _arch_of(gguf)
         args = arch.ModelArgs.from_gguf(gguf)
+    if context_length is not None and context_length > args.context_length:
+        # a worker never serves past the model's context (`load_model` caps it)
+        raise ValueError(f"{spec}: requested cache context {context_length} exceeds model "
+                         f"bound {args.context_length}")
     ctx = args.context_length if context_length is None else context_length
     return arch.cache_plan(args, ctx, kv_dtype)

@@ -15,9 +15,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.errors import EmptyPrompt, PromptTooLong, TokenOutOfRange
+from jobs.errors import InvalidRequest
+from jobs.limits import Limits
 from jobs.record import JobRecord
-from jobs.requests import check_token_ids
+from jobs.requests import DEFAULT_LIMITS, check_record, check_token_ids
 from model.planner import ChunkPlan, plan_chunks
 from model.prefill import Prefill
 from model.registry import LoadedModel
@@ -30,8 +31,10 @@ log = logging.getLogger("prefillq.worker")
 
 # error.type of a job whose recorded chunk plan does not fit its prompt
 INVALID_CHUNK_PLAN = "InvalidChunkPlan"
-# a job's own input is at fault: it fails with the error's type, the worker carries on
-INPUT_ERRORS = (EmptyPrompt, TokenOutOfRange, PromptTooLong, TokenizerError)
+# a job's own input is at fault: it fails with the error's type (InvalidRequest or a subclass:
+# EmptyPrompt, TokenOutOfRange, PromptTooLong, PromptTooLarge; or a TokenizerError), the
+# worker carries on
+INPUT_ERRORS = (InvalidRequest, TokenizerError)
 
 
 @dataclass
@@ -55,19 +58,28 @@ class Prepared:
 
 def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             sessions: SessionSlots | None,
-            checkpointing: Checkpointing | None = None) -> Prepared:
-    """Tokenize, check and plan `record`'s job and allocate its cache, reuse its session's
+            checkpointing: Checkpointing | None = None,
+            limits: Limits = DEFAULT_LIMITS) -> Prepared:
+    """Check, tokenize and plan `record`'s job and allocate its cache, reuse its session's
     slot, or restore it from the job's latest usable KV checkpoint.
+
+    The record is checked as `submit` checks it (`jobs.requests.check_record`, against this
+    worker's `limits`) before it is tokenized, so a job a foreign or older client enqueued
+    that breaks them (a 10 MB prompt, a top_k over the limit, two inputs) fails with the
+    same typed error without costing the tokenizer; its ids are then checked against the
+    vocabulary and the smaller of the serving context and ``limits.max_prompt_tokens``.
 
     Args:
         chunk_tokens: this worker's cap on chunk size (the smaller of it and the job's own
             applies).
         sessions: this worker's session slots, or None.
         checkpointing: this worker's checkpoints, or None (a restarted job starts at 0).
+        limits: this worker's limits.
     """
     try:
+        check_record(record, limits)
         ids = token_ids(loaded, record)
-        check_token_ids(ids, loaded.vocab_size, loaded.context_length)
+        check_token_ids(ids, loaded.vocab_size, limits.prompt_tokens(loaded.context_length))
     except INPUT_ERRORS as e:
         return Prepared(None, (type(e).__name__, str(e)))
     caps = [c for c in (chunk_tokens, record.chunk_tokens) if c is not None]

@@ -1,7 +1,9 @@
 """The chunk step and its fenced transitions.
 
 A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
-(`Stepper.admit`): it is tokenized, validated (`jobs.requests.check_token_ids`) and planned,
+(`Stepper.admit`): its record is decoded (`worker.intake.read_record`: one that does not
+decode fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, its ids
+validated (`worker.prepare`, `jobs.requests`) and planned,
 its cache allocated, and it is taken atomically (``queued -> prefilling``,
 `jobs.scripts.START`; the chunk plan is recorded on the job at its first start and reused by
 every later start, so chunk boundaries do not depend on the worker); then its first chunk
@@ -30,6 +32,7 @@ import numpy as np
 
 from jobs import keys, protocol, stats
 from jobs.defaults import MAX_ERROR_CHARS
+from jobs.limits import Limits
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
 from jobs.schema import JobState, LogitsMode, now
@@ -41,6 +44,7 @@ from .active import ActiveJob, prompt_logprobs_blob, result_of
 from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
+from .intake import read_record
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
 from .roundtrip import Probe, Reply, run_script
@@ -66,17 +70,18 @@ class Stepper:
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
+        limits: what a job may ask for, checked again at its start (`worker.prepare`).
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  admission: Admission, admit_from: Callable[[], list[str]], *,
                  chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None):
+                 checkpointing: Checkpointing | None = None, limits: Limits | None = None):
         self.connection, self.name, self.models = connection, name, models
         self.sessions, self.checkpointing = sessions, checkpointing
         self.admission, self.admit_from = admission, admit_from
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.limits = chunk_tokens, limits or Limits()
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
         self.scripts = Scripts(connection)
         self.active: dict[str, ActiveJob] = admission.active
@@ -162,27 +167,26 @@ class Stepper:
         """First execution of a job here: tokenize, validate, plan (`worker.prepare`), check
         the KV budget, then take it (``queued -> prefilling``). Returns None when the job is
         not ours to run (gone, another model, not queued, failed its input checks, waits for
-        room); a session slot it checked out is kept again then."""
-        raw = self.connection.hgetall(keys.job(job_id))
-        if not raw:
-            log.warning("job %s has no record (expired?); skipping", job_id)
+        room, or a record that does not decode: failed with ``CorruptJob``,
+        `worker.intake.read_record`); a session slot it checked out is kept again then."""
+        record = read_record(self.connection, self.scripts, job_id, self.result_ttl_s)
+        if record is None:
             return None
-        record = JobRecord.from_hash(job_id, raw)
         loaded = self.models.get(record.model)  # by name only: nothing is loaded for a job
         if loaded is None:
             self._not_served(record)
             return None
         prepared = prepare(loaded, record, chunk_tokens=self.chunk_tokens,
-                           sessions=self.sessions, checkpointing=self.checkpointing)
+                           sessions=self.sessions, checkpointing=self.checkpointing,
+                           limits=self.limits)
         active = self._take(record, loaded, prepared)
         if active is None and prepared.slot is not None:
             self.sessions.keep(record.session, loaded.name, prepared.slot)
         return active
 
     def _not_served(self, record: JobRecord) -> None:
-        """A job of a model this worker does not serve reached its queues (routed here by
-        its session, or written straight into Redis): back to its model's intake when some
-        worker registered that model, else `failed` with ``UnknownModel``."""
+        """A job of a model not served here (routed by its session, or written into Redis):
+        to its model's intake if any worker registered it, else ``UnknownModel``."""
         registered = protocol.models_of(self.connection.hgetall(keys.MODELS))
         if record.model in registered:
             log.warning("job %s wants model %r, not served here; to its intake",

@@ -12,6 +12,10 @@ def advance_prefill(job_id: str) -> None:
     Raises:
         RuntimeError: called outside a `PrefillWorker`.
     """
-    from .worker import current_worker
+    from .worker import current_worker, log
 
-    current_worker().advance(job_id)
+    worker = current_worker()
+    if not isinstance(job_id, str) or not job_id:  # a foreign RQ job's argument
+        log.error("advance_prefill refuses job id %r: not a prefillq job id", job_id)
+        return
+    worker.advance(job_id)

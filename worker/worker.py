@@ -31,6 +31,7 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
+from jobs import keys
 from jobs.client import redacted
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
@@ -40,7 +41,8 @@ from jobs.defaults import (
     DEFAULT_SESSION_SLOTS,
 )
 from jobs.errors import JobRefused
-from jobs.queues import ChunkJob, intake_queue, move_to_intake, refusal, sticky_queue
+from jobs.limits import Limits
+from jobs.queues import ChunkJob, move_to_intake, refusal
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
@@ -51,6 +53,7 @@ from .checkpointing import Checkpointing
 from .checkpoints import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
 from .heartbeat import Heartbeat
+from .intake import GuardedQueue
 from .sessions import SessionSlots
 from .step import Stepper
 
@@ -119,12 +122,15 @@ class PrefillWorker(SimpleWorker):
         checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
+        limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
+            whatever client enqueued it; a job over them fails with the typed error.
     Raises:
         ValueError: a bad `checkpoint_store` or `checkpoint_every`.
     """
 
     death_penalty_class = NoDeathPenalty
     job_class = ChunkJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
+    queue_class = GuardedQueue  # junk ids in our queues are dropped, never fatal
 
     def __init__(
         self,
@@ -144,16 +150,17 @@ class PrefillWorker(SimpleWorker):
         checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY,
         checkpoint_max_bytes: int | None = None,
         publish_tokenizers: bool = True,
+        limits: Limits | None = None,
     ):
         if not models:
             raise ValueError("a worker needs at least one model")
         name = name or default_worker_name()
         self.models = models
         self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
-        self.sticky = sticky_queue(connection, name)
-        intake = [intake_queue(connection, m) for m in models]
-        super().__init__([self.sticky, *intake], connection=connection, name=name,
-                         serializer=MsgpackSerializer)
+        # by name: RQ builds them as its `queue_class`, the guarded one
+        super().__init__([keys.sticky_queue(name), *map(keys.intake_queue, models)],
+                         connection=connection, name=name, serializer=MsgpackSerializer)
+        self.sticky = self.queues[0]
         # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
                                    kv_budget_bytes=kv_budget_bytes,
@@ -170,7 +177,7 @@ class PrefillWorker(SimpleWorker):
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
                                logits_ttl_s=logits_ttl_s, sessions=self.sessions,
-                               checkpointing=self.checkpointing)
+                               checkpointing=self.checkpointing, limits=limits or Limits())
         self._rq_beat_at = 0.0
         self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
+    CorruptJob,
     InvalidRequest,
     JobCanceled,
     JobFailed,
@@ -53,12 +54,13 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (JobFailed, 409),
     (JobCanceled, 409),
     (JobTimeout, 504),
+    (CorruptJob, 502),  # Redis, upstream of the gateway, holds a record that does not decode
 )
 
 # A failed job's ``error.type`` -> the status a blocking request answers with: the input
 # errors a worker finds after tokenizing are the client's; anything else is ours.
-_FAILED_JOB_STATUS = {"PromptTooLong": 413, "EmptyPrompt": 400, "TokenOutOfRange": 400,
-                      "InvalidRequest": 400, "ChatTemplateError": 400,
+_FAILED_JOB_STATUS = {"PromptTooLong": 413, "PromptTooLarge": 413, "EmptyPrompt": 400,
+                      "TokenOutOfRange": 400, "InvalidRequest": 400, "ChatTemplateError": 400,
                       "ChatTemplateMissing": 400}
 
 

@@ -137,3 +137,51 @@ def test_serve_needs_only_the_gateway_extra_and_says_so_without_it():
     assert proc.stderr.strip().splitlines() == [
         "prefillq: error: `prefillq serve` needs the gateway extra (missing fastapi): "
         "pip install 'prefillq[gateway]'"]
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a command that failed with exit status 2."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("prefillq: error: ")
+    return lines[0]
+
+
+def test_usage_errors_are_one_line_without_the_usage_block():
+    cases = {
+        ("submit", "--prompt", "a", "--top-k", "x"): "argument --top-k: invalid int value: 'x'",
+        ("status",): "the following arguments are required: job",
+        ("result", "job", "--wait", "-1"): "argument --wait: want a number of seconds >= 0",
+        ("result", "job", "--wait", "nan"): "argument --wait: want a number of seconds >= 0",
+        ("bogus",): "argument command: invalid choice: 'bogus'",
+    }
+    for args, message in cases.items():
+        line = one_line_error(light_prefillq(*args))
+        assert message in line and "usage:" not in line
+        assert line.endswith(f"(see `prefillq{' ' + args[0] if args[0] != 'bogus' else ''} "
+                             "--help`)")
+
+
+def test_a_corrupt_record_and_undecodable_input_are_one_line_errors(redis_server):
+    import redis
+
+    r = redis.Redis.from_url(redis_server)
+    r.flushall()
+    r.hset(keys.MODELS, "m", packb({"vocab_size": 100, "context_length": 64,
+                                    "architecture": "gemma3", "sha256": "0" * 64}))
+    r.hset(keys.job("junk"), mapping={"model": "m", "state": "queued", "cursor": "ten"})
+    for command in ("status", "result"):
+        line = one_line_error(light_prefillq(command, "--redis", redis_server, "junk"))
+        assert "job junk's record cannot be decoded: cursor" in line
+    for command in ("status", "cancel", "result"):
+        line = one_line_error(light_prefillq(command, "--redis", redis_server, "nope"))
+        assert line == "prefillq: error: no job 'nope' (never submitted, or expired)"
+    # bytes that are not UTF-8 on the command line reach Python as lone surrogates
+    code = ("import sys\nfrom worker.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    for args, message in (
+            ([b"submit", b"--redis", redis_server.encode(), b"--model", b"m", b"--prompt",
+              b"caf\xe9"], "prompt is not valid text: '\\udce9' at index 3"),
+            ([b"status", b"--redis", redis_server.encode(), b"\xff"], "no job '\\udcff'")):
+        proc = subprocess.run([sys.executable.encode(), b"-c", code.encode(), *args],
+                              capture_output=True, text=True, timeout=60)
+        assert message in one_line_error(proc)

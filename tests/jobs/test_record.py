@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jobs import JobState, LogitsMode
+from jobs import CorruptJob, JobState, LogitsMode, PrefillQError
 from jobs.defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_TOP_K
 from jobs.record import JobRecord
 from jobs.serializer import packb
@@ -85,3 +85,27 @@ def test_a_corrupt_field_raises_value_error():
     for not_a_chat in (packb("hi"), packb([1, 2])):
         with pytest.raises(ValueError, match="messages"):
             JobRecord.from_hash("j6", {b"model": b"m", b"messages": not_a_chat})
+
+
+def test_a_corrupt_record_is_corrupt_job_naming_every_bad_field():
+    raw = {b"model": b"m", b"state": b"queued", b"cursor": b"ten", b"tokens": b"\xc1",
+           b"prompt": b"\xff"}
+    with pytest.raises(CorruptJob, match="cannot be decoded: cursor .*; prompt .*; tokens") as e:
+        JobRecord.from_hash("j7", raw)
+    assert e.value.fields == ("cursor", "prompt", "tokens")
+    assert isinstance(e.value, ValueError) and isinstance(e.value, PrefillQError)
+
+
+def test_float_or_bool_token_ids_in_a_record_are_corrupt_never_truncated():
+    for ids in ([2.0, 3.0], [True], [1, "2"], {"a": 1}, 5):
+        with pytest.raises(CorruptJob, match="tokens"):
+            JobRecord.from_hash("j8", {b"model": b"m", b"state": b"queued",
+                                       b"tokens": packb(ids)})
+    assert JobRecord.from_hash("j8", {b"model": b"m", b"state": b"queued",
+                                      b"tokens": packb([2, 3])}).tokens == [2, 3]
+
+
+def test_a_record_without_a_state_is_corrupt():
+    with pytest.raises(CorruptJob, match=r"state \(missing\)") as e:
+        JobRecord.from_hash("j9", {b"model": b"m", b"tokens": packb([2])})
+    assert e.value.fields == ("state",)

@@ -56,3 +56,25 @@ def test_a_directory_store_that_cannot_be_made_is_a_clear_error():
 
     with pytest.raises(ValueError, match="checkpoint store 'file:///proc/nope'"):
         open_store("file:///proc/nope", None)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from worker.cli import main
+
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def test_plan_refuses_a_context_over_the_models(capsys):
+    rc, err = run_cli(capsys, "plan", "--model", "gemma3-tiny", "--context", "4097")
+    assert rc == 2 and err.strip() == (
+        "prefillq: error: gemma3-tiny: requested cache context 4097 exceeds model bound 4096")
+    assert run_cli(capsys, "plan", "--model", "gemma3-tiny", "--context", "4096")[0] == 0
+
+
+def test_an_unknown_model_lists_every_known_one(capsys):
+    rc, err = run_cli(capsys, "plan", "--model", "nope")
+    assert rc == 2 and err.strip() == (
+        "prefillq: error: unknown model 'nope'; known: deepseek4-tiny, gemma3-270m, "
+        "gemma3-tiny, and deepseek4-flash (config only: `prefillq plan`), or "
+        "NAME=/path/file.gguf")

@@ -6,7 +6,8 @@ embedded queue (an in-process fakeredis server) with an in-process worker
 model's cache plan (`worker.cli.plan`); ``submit``, ``status``, ``cancel``, ``result`` and
 ``reap`` are the client's (`jobs.cli`: they import nothing from MLX); ``serve`` runs the HTTP
 gateway (`jobs.gateway`, the ``gateway`` extra). With ``--json`` the
-last stdout line is one JSON object. Errors exit non-zero with a one-line message on stderr.
+last stdout line is one JSON object. Errors exit non-zero with a one-line message on stderr,
+usage errors too (`jobs.cli.OneLineParser`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import sys
 
 from jobs import PrefillQError
-from jobs.cli import CLIError, add_job_commands, add_submit
+from jobs.cli import CLIError, OneLineParser, add_job_commands, add_submit
 from jobs.gateway.serve import add_serve
 
 from .plan import add_plan
@@ -32,7 +33,7 @@ EXTRA_PACKAGES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="prefillq", description="Chunked, resumable, exact long-prompt prefill as a Redis "
         "job queue: run a prompt, serve as a worker or the HTTP gateway, and submit, watch, "
         "cancel and fetch jobs.")

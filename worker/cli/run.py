@@ -16,6 +16,7 @@ from jobs.cli import (
     add_messages_flags,
     add_redis,
     finish,
+    non_negative_float,
     positive_int,
     prompt_input,
 )
@@ -85,6 +86,7 @@ def add_run(sub) -> None:
                      help="exact chunk size in tokens (default: 2,048, window-aligned)")
     run.add_argument("--json", action="store_true")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
-    run.add_argument("--wait", type=float, default=None, help="seconds to wait with --redis")
+    run.add_argument("--wait", type=non_negative_float, default=None,
+                     help="seconds to wait with --redis")
     add_redis(run)
     run.set_defaults(func=cmd_run)

@@ -10,10 +10,14 @@ from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROBS,
     DEFAULT_MODEL,
     DEFAULT_RESULT_TTL_S,
     DEFAULT_SESSION_SLOTS,
+    MAX_TOP_K,
 )
+from jobs.limits import Limits
 
 from ..checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
 from .loading import load_models
@@ -42,9 +46,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_store=args.checkpoint_store,
         checkpoint_every=args.checkpoint_every,
         checkpoint_max_bytes=args.checkpoint_max_bytes,
+        limits=limits_of(args),
     )
     worker.work(burst=args.burst, logging_level="INFO")
     return 0
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    """The worker's `Limits` from its flags (its token limit is ``--context``: the serving
+    context)."""
+    return Limits(max_prompt_bytes=args.max_prompt_bytes, max_top_k=args.max_top_k,
+                  max_prompt_logprobs=args.max_prompt_logprobs)
 
 
 def checkpoint_every(text: str) -> str:
@@ -97,7 +109,18 @@ def add_worker(sub) -> None:
                              "(default: %(default)s)")
     worker.add_argument("--checkpoint-max-bytes", type=positive_int, metavar="B",
                         help="do not checkpoint jobs whose KV cache is larger")
-    worker.add_argument("--context", type=int, help="cap the serving context (tokens)")
+    worker.add_argument("--context", type=positive_int,
+                        help="cap the serving context (tokens): the most prompt tokens a job "
+                             "may have")
+    worker.add_argument("--max-prompt-bytes", type=positive_int, metavar="B",
+                        default=DEFAULT_MAX_PROMPT_BYTES,
+                        help="fail jobs with more UTF-8 bytes of prompt text, before "
+                             "tokenizing (default: %(default)s)")
+    worker.add_argument("--max-top-k", type=non_negative_int, metavar="K", default=MAX_TOP_K,
+                        help="fail jobs asking for a larger top_k (default: %(default)s)")
+    worker.add_argument("--max-prompt-logprobs", type=non_negative_int, metavar="K",
+                        default=DEFAULT_MAX_PROMPT_LOGPROBS,
+                        help="fail jobs asking for more prompt_logprobs (default: %(default)s)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
                         help="seconds a terminal job's record lives (default: %(default)s)")

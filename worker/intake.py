@@ -1,0 +1,132 @@
+"""What a worker reads from Redis to start a job, made safe against whatever is written there.
+
+Anyone who can write Redis can push junk: ids that are not UTF-8 or name no RQ job onto the
+intake and own queues, RQ job hashes that do not decode, prefillq records with truncated
+msgpack or fields of the wrong type. None of it may stop the worker or touch another job:
+
+- `GuardedQueue.dequeue_any` (the worker's RQ ``queue_class``) drops a popped id that is not
+  UTF-8 or whose RQ hash does not decode, logs it and pops the next (RQ's own loop lets
+  either exception end the worker).
+- `read_record` decodes a job's record; one that does not decode fails at once with
+  ``CorruptJob`` (`jobs.scripts.REFUSE`), its undecodable fields dropped so that its status
+  reads again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
+from rq.utils import get_version
+
+from jobs import keys, stats
+from jobs.defaults import MAX_ERROR_CHARS
+from jobs.errors import CorruptJob
+from jobs.record import JobRecord
+from jobs.schema import now
+from jobs.scripts import Scripts
+
+log = logging.getLogger("prefillq.worker")
+
+# Redis being away is the connection policy's business (`worker.connection`), never junk.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+
+
+class GuardedQueue(Queue):
+    """RQ's `Queue` whose `dequeue_any` skips junk instead of raising."""
+
+    @classmethod
+    def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
+                    death_penalty_class=None):
+        """RQ's ``Queue.dequeue_any`` (the same pops: LMOVE for one queue on Redis >= 6.2,
+        else (B)LPOP), except that a popped id that is not UTF-8, names no RQ job, or whose
+        RQ hash does not decode is logged and dropped (also from RQ's intermediate list),
+        and the next one is popped.
+
+        Returns:
+            ``(job, queue)``, or None when the queues are empty (non-blocking).
+        Raises:
+            rq.exceptions.DequeueTimeout: a blocking pop timed out (as RQ's).
+        """
+        queue_keys = [queue.key for queue in queues]
+        job_class = job_class or Job
+        while True:
+            if len(queue_keys) == 1 and get_version(connection) >= (6, 2, 0):
+                popped = cls.lmove(connection, queue_keys[0], timeout)
+            else:
+                popped = cls.lpop(queue_keys, timeout, connection=connection)
+            if popped is None:
+                return None
+            queue_key = popped[0].decode() if isinstance(popped[0], bytes) else popped[0]
+            job = _fetch(connection, queue_key, popped[1], job_class, serializer)
+            if job is not None:
+                return job, cls.from_queue_key(queue_key, connection=connection,
+                                               job_class=job_class, serializer=serializer,
+                                               death_penalty_class=death_penalty_class)
+
+
+def _fetch(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):
+    """The RQ job `raw_id` popped from `queue_key`, or None (dropped, logged) when it is
+    junk: not UTF-8, no such RQ job, or a hash that does not decode."""
+    try:
+        job_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+        return job_class.fetch(job_id, connection=connection, serializer=serializer)
+    except REDIS_ERRORS:
+        raise
+    except NoSuchJobError:
+        log.warning("dropping RQ job id %r from %s: no such RQ job", raw_id, queue_key)
+    except Exception as error:  # any bytes at all: what RQ's restore raises is not ours
+        log.error("dropping RQ job id %r from %s: it does not decode (%s: %s)", raw_id,
+                  queue_key, type(error).__name__, error)
+    # an LMOVE left it in RQ's intermediate list, whose cleanup would trip on it too
+    connection.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 1, raw_id)
+    return None
+
+
+def read_record(connection, scripts: Scripts, job_id: str, result_ttl_s: int
+                ) -> JobRecord | None:
+    """`job_id`'s record, or None: it has none (expired; logged), or it does not decode or
+    names no model, and then it is failed with ``CorruptJob`` (unless a worker holds it or
+    it ended: `jobs.scripts.REFUSE`; an ended one loses its undecodable fields only) and
+    counted.
+
+    Args:
+        scripts: the worker's scripts (`REFUSE`).
+        result_ttl_s: the lifetime of the failed record.
+    """
+    raw = connection.hgetall(keys.job(job_id))
+    if not raw:
+        log.warning("job %s has no record (expired?); skipping", job_id)
+        return None
+    try:
+        record = JobRecord.from_hash(job_id, raw)
+    except CorruptJob as error:
+        refuse(connection, scripts, job_id, error, result_ttl_s)
+        return None
+    if not record.model:
+        refuse(connection, scripts, job_id,
+               CorruptJob(f"job {job_id}'s record names no model"), result_ttl_s)
+        return None
+    return record
+
+
+def refuse(connection, scripts: Scripts, job_id: str, error: CorruptJob,
+           result_ttl_s: int) -> str:
+    """Fail `job_id` with `error` (``REFUSE``), dropping ``error.fields``; returns the
+    script's outcome (``failed``, ``unchanged`` or ``missing``)."""
+    outcome = scripts.refuse(
+        keys=[keys.job(job_id), keys.events(job_id)],
+        args=[now(), result_ttl_s, type(error).__name__, str(error)[:MAX_ERROR_CHARS],
+              *error.fields]).decode()
+    log.error("job %s: %s (%s)", job_id, error, outcome)
+    ended = stats.terminal(outcome)
+    if ended:
+        with connection.pipeline(transaction=False) as pipe:
+            stats.record_terminal(pipe, ended)
+            pipe.execute(raise_on_error=False)  # best effort: the failure has landed
+    return outcome
