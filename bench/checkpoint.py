@@ -120,7 +120,7 @@ def _routed(client: PrefillClient, ids: list[int], model: str, worker: str) -> s
     """Submit `ids` straight onto `worker`'s own queue (as a session's next job is routed),
     so only that worker starts it: `PrefillClient.submit` with the queue chosen here."""
     record = protocol.submitted_record(
-        prompt=None, tokens=ids, messages=None, model=model, top_k=1, logits="top_k",
+        client.limits, prompt=None, tokens=ids, messages=None, model=model, top_k=1, logits="top_k",
         parse_special=True, session=None, priority=0, chunk_tokens=None,
         idempotency_key=None, max_attempts=3)
     with client.redis.pipeline() as pipe:

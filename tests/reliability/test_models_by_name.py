@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from jobs import AsyncPrefillClient, JobFailed, JobState, PrefillClient, UnknownModel, keys
+from jobs.limits import Limits
 from jobs.protocol import submitted_record
 from jobs.queues import enqueue_chunk, intake_queue, sticky_queue
 from tests.worker.helpers import CHUNK, MODEL, ids
@@ -102,7 +103,7 @@ def test_path_and_url_names_are_unknown_models_at_submit(conn, worker, redis_ser
 def raw_job(conn, model: str, queue, tokens: list[int] | None = None) -> str:
     """A valid job record naming `model`, written straight into Redis and put on `queue`
     (bypassing `submit`'s checks, as a client that writes Redis could)."""
-    record = submitted_record(prompt=None, tokens=tokens or ids(20, 1), messages=None,
+    record = submitted_record(Limits(), prompt=None, tokens=tokens or ids(20, 1), messages=None,
                               add_generation_prompt=True, model=model, top_k=3,
                               logits="top_k", parse_special=True, session=None, priority=0,
                               chunk_tokens=None, idempotency_key=None, max_attempts=3,
