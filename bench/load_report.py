@@ -1,0 +1,118 @@
+"""What a load run (`bench.load`) shows: its exactly-once checks, jobs/s and latency per
+length class, and the records of a results file."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from jobs import JobState
+
+from .common import Recorder
+from .observe import TERMINAL
+
+ALL = "all"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`-th percentile (0 < q <= 100) of `values` (not empty)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def finished_once(phase) -> int:
+    """Jobs of `phase` whose status is finished and whose channel carried one terminal
+    message, ``finished``."""
+    terminal = Counter()
+    for (job_id, kind), n in phase.events.items():
+        if kind in TERMINAL:
+            terminal[job_id, kind] += n
+    return sum(1 for j, s in phase.statuses.items()
+               if s is not None and s.state == JobState.FINISHED
+               and terminal[j, JobState.FINISHED.value] == 1
+               and sum(terminal[j, k] for k in TERMINAL) == 1)
+
+
+def exactly_once_problems(phase, jobs: int) -> list[str]:
+    """What broke "every job finished, once" in `phase` (a `bench.load.Phase` of `jobs`
+    jobs); empty when nothing did. Checks each job's status (finished), its events
+    (exactly one terminal message, ``finished``), the counters (submitted and finished
+    each grew by `jobs`, nothing else ended) and the idempotent retries (same job id)."""
+    out = []
+    if len(phase.classes) != jobs:
+        out.append(f"{len(phase.classes)} distinct job ids for {jobs} submits")
+    states = Counter(s.state.value if s else "no record" for s in phase.statuses.values())
+    if states != Counter({JobState.FINISHED.value: jobs}):
+        out.append(f"states {dict(states)}, want {jobs} finished")
+    terminal = Counter()
+    for (job_id, kind), n in phase.events.items():
+        if kind in TERMINAL:
+            terminal[job_id] += n
+            if kind != JobState.FINISHED.value:
+                out.append(f"job {job_id}: {n} {kind!r} message(s)")
+    not_once = {j: terminal[j] for j in phase.classes if terminal[j] != 1}
+    if not_once:
+        out.append(f"{len(not_once)} jobs without exactly one terminal message: "
+                   f"{dict(list(not_once.items())[:5])}")
+    want = {"submitted": jobs, "finished": jobs, "failed": 0, "canceled": 0}
+    if phase.totals != want:
+        out.append(f"counters grew by {phase.totals}, want {want}")
+    if phase.duplicate_ids:
+        out.append(f"{phase.duplicate_ids} idempotent retries got a new job id")
+    return out
+
+
+def job_keys_left(phase) -> dict[str, dict[str, int]]:
+    """The key patterns left at the end of `phase` that hold a job id (``*``)."""
+    return {p: row for p, row in phase.keys.items() if "*" in p}
+
+
+def by_class(phase) -> dict[str, dict[str, float]]:
+    """Per length class and for ``all``: ``jobs``, ``jobs_per_s`` (the class's jobs over
+    its first submit to its last finish), ``p50_s``, ``p99_s``, ``max_s`` (submit to
+    finished: ``finished_at - enqueued_at``) and ``tokens``; finished jobs only."""
+    groups: dict[str, list] = {}
+    for job_id, cls in phase.classes.items():
+        status = phase.statuses.get(job_id)
+        if status is not None and status.state == JobState.FINISHED:
+            groups.setdefault(cls, []).append(status)
+            groups.setdefault(ALL, []).append(status)
+    out = {}
+    for cls in sorted(groups, key=lambda c: (c == ALL, c)):
+        done = groups[cls]
+        latency = [s.finished_at - s.enqueued_at for s in done]
+        span = max(s.finished_at for s in done) - min(s.enqueued_at for s in done)
+        out[cls] = {"jobs": len(done), "jobs_per_s": len(done) / span,
+                    "p50_s": percentile(latency, 50), "p99_s": percentile(latency, 99),
+                    "max_s": max(latency), "tokens": sum(s.n_tokens or 0 for s in done)}
+    return out
+
+
+def report(rec: Recorder, run) -> None:
+    """The records of a `bench.load.LoadRun`: exactly-once, then jobs/s and latency per
+    class, then Redis memory at baseline, peak and after (with the keys left)."""
+    from .load import CLASS_SHARES, LENGTH_CLASSES
+
+    cfg, phase = run.config, run.load
+    how = {"jobs": cfg.jobs, "workers": cfg.workers, "clients": cfg.clients,
+           "model": cfg.model, "chunk_tokens": cfg.chunk_tokens, "ttl_s": cfg.ttl_s}
+    problems = exactly_once_problems(phase, cfg.jobs)
+    rec("load_finished_exactly_once", finished_once(phase), "jobs", **how,
+        floor=cfg.jobs, problems=problems[:10], counters=phase.totals,
+        idempotent_retries_new_id=phase.duplicate_ids, submit_s=round(phase.submit_s, 2),
+        ended_s=round(phase.ended_s, 2))
+    for cls, row in by_class(phase).items():
+        where = {"length_class": cls, "tokens": LENGTH_CLASSES.get(cls, "mixed"),
+                 "share": CLASS_SHARES.get(cls, 1.0), "class_jobs": row["jobs"]}
+        rec("load_jobs_per_s", row["jobs_per_s"], "jobs/s", **where, **how,
+            tokens_per_s=round(row["tokens"] * row["jobs_per_s"] / row["jobs"], 1))
+        rec("load_latency_p50_s", row["p50_s"], "s", **where, **how)
+        rec("load_latency_p99_s", row["p99_s"], "s", **where, **how,
+            max_s=round(row["max_s"], 3))
+    memory = run.memory
+    for moment in ("baseline", "peak", "after"):
+        rec("load_redis_used_memory", memory[moment], "bytes", moment=moment, **how)
+    rec("load_redis_memory_growth", memory["after"] - memory["baseline"], "bytes", **how,
+        baseline=run.warmup.memory, after=phase.memory, registered=run.registered,
+        warmup_jobs=cfg.warmup_jobs, expired_after_s=round(phase.expired_s, 2),
+        job_keys_left=job_keys_left(phase), keys_after=phase.keys)
