@@ -9,12 +9,13 @@ the run can wait for expiry). Each phase subscribes to every job's events channe
 (``prefillq:*:events``, counted per job), submits from `clients` threads as fast as they
 can (a quarter of the jobs with an idempotency key, submitted twice: a client's retry),
 reads each job's status as its terminal message comes, waits for every job to end and
-then for every record to expire, and reads memory and the keys left. A warm-up phase of a
-few jobs comes first: Redis allocates some memory once, at a command's first call (a
-latency histogram per command, the Lua scripts) or a queue's first job, and the
-baseline is taken after it. Latency is a job's ``finished_at`` minus its ``enqueued_at``
-(both from its status). Run it with the OpenBLAS env (``env $(python -m
-model.runtime.blas)``); the workers inherit it.
+then for every record to expire, and reads memory and the keys left. A warm-up phase
+comes first (4 jobs per worker, so a worker also admits between chunks): Redis allocates
+some memory once, at a command's first call (a latency histogram per command, the Lua
+scripts) or a queue's first job, and the baseline is taken after it. Memory is compared
+apart from the connections' buffers too (`bench.observe.memory_now`). Latency is a job's
+``finished_at`` minus its ``enqueued_at`` (both from its status). Run it with the OpenBLAS
+env (``env $(python -m model.runtime.blas)``); the workers inherit it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class LoadConfig:
         threads, a `PrefillClient` each. ttl_s: the workers' ``--result-ttl`` and
         ``--logits-ttl`` and the clients' ``result_ttl_s`` (seconds). timeout_s: the
         longest wait for a phase's jobs to end, and again for their records to expire.
-        warmup_jobs: jobs of the warm-up phase. seed: the prompts' random seed.
+        warmup_per_worker: jobs of the warm-up phase per worker. seed: the prompts' random
+        seed.
     """
 
     jobs: int = 1000
@@ -77,8 +79,12 @@ class LoadConfig:
     chunk_tokens: int = CHUNK_TOKENS
     ttl_s: int = TTL_S
     timeout_s: float = 3600.0
-    warmup_jobs: int = 6
+    warmup_per_worker: int = 4
     seed: int = 0
+
+    @property
+    def warmup_jobs(self) -> int:
+        return self.warmup_per_worker * self.workers
 
 
 @dataclass

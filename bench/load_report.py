@@ -12,6 +12,10 @@ from .common import Recorder
 from .observe import TERMINAL
 
 ALL = "all"
+# |memory_growth| within this many bytes is "back to baseline": measured +144 to +160 bytes
+# over 60-job runs (counters' digits, a Lua script first run), while any key left per job
+# costs >= ~70 bytes (dict entry, key, value), i.e. >= 4 KB at 60 jobs.
+MEMORY_MARGIN = 2048
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,7 +116,24 @@ def report(rec: Recorder, run) -> None:
     memory = run.memory
     for moment in ("baseline", "peak", "after"):
         rec("load_redis_used_memory", memory[moment], "bytes", moment=moment, **how)
-    rec("load_redis_memory_growth", memory["after"] - memory["baseline"], "bytes", **how,
-        baseline=run.warmup.memory, after=phase.memory, registered=run.registered,
-        warmup_jobs=cfg.warmup_jobs, expired_after_s=round(phase.expired_s, 2),
+    base, after = run.warmup.memory, phase.memory
+    rec("load_redis_used_memory_growth", memory["after"] - memory["baseline"], "bytes",
+        **how, connections_memory_growth=after["connections_memory"]
+        - base["connections_memory"])
+    rec("load_redis_memory_growth_apart_from_connections", memory_growth(run), "bytes",
+        **how, ceiling=MEMORY_MARGIN, baseline=_detail(base), after=_detail(after),
+        registered=_detail(run.registered), warmup_jobs=cfg.warmup_jobs,
+        expired_after_s=round(phase.expired_s, 2),
+        commands_first_called=sorted(set(after["commands"]) - set(base["commands"])),
         job_keys_left=job_keys_left(phase), keys_after=phase.keys)
+
+
+def memory_growth(run) -> int:
+    """used_memory apart from the connections' buffers, after the measured phase's TTLs
+    minus at the baseline (bytes; `bench.observe.memory_now`)."""
+    return (run.load.memory["apart_from_connections"]
+            - run.warmup.memory["apart_from_connections"])
+
+
+def _detail(memory: dict) -> dict:
+    return {k: v for k, v in memory.items() if k != "commands"}

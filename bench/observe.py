@@ -78,13 +78,23 @@ class MemorySampler:
 
 
 def memory_now(conn: redis.Redis) -> dict:
-    """`MEMORY_FIELDS` of ``INFO memory`` now (bytes), and ``commands``: the commands the
-    server has run at least once, sorted (Redis 7 keeps a latency histogram per command,
-    ~25 KB, from its first call)."""
-    info = conn.info("memory")
+    """Redis memory now (bytes): `MEMORY_FIELDS` of ``INFO memory``; ``connections`` and
+    ``connections_memory``, the clients and their summed ``tot-mem`` (CLIENT LIST: query
+    and reply buffers, which Redis grows and shrinks by ~16-20 KB steps as traffic comes
+    and goes) read in the same transaction, and ``apart_from_connections``, used_memory
+    less that; ``commands``: the commands the server has run at least once, sorted (Redis
+    7 keeps a latency histogram per command, ~25 KB, from its first call).
+
+    INFO's own ``mem_clients_normal`` is an aggregate the server refreshes in its cron, so
+    it lags used_memory; CLIENT LIST computes each client's memory as it answers."""
+    with conn.pipeline(transaction=True) as pipe:
+        replies = pipe.client_list().info("memory").info("commandstats").execute()
+    clients, info, commandstats = replies
     out = {f: info[f] for f in MEMORY_FIELDS if f in info}
-    out["commands"] = sorted(name.removeprefix("cmdstat_")
-                             for name in conn.info("commandstats"))
+    out["connections"] = len(clients)
+    out["connections_memory"] = sum(int(c["tot-mem"]) for c in clients)
+    out["apart_from_connections"] = info["used_memory"] - out["connections_memory"]
+    out["commands"] = sorted(name.removeprefix("cmdstat_") for name in commandstats)
     return out
 
 

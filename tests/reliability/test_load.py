@@ -1,0 +1,79 @@
+"""Load: mixed-length jobs across ``prefillq worker`` processes on one real redis-server
+(`bench.load`, the same code path as ``python -m bench.load``). Every job finishes exactly
+once (its status, one terminal message on its channel, the cluster's counters), and once
+the TTLs expire Redis holds what it held at the baseline: no key that names a job, no new
+kind of key, no extra connection, and memory apart from the connections' buffers within
+`bench.load_report.MEMORY_MARGIN` of the baseline."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench.load import LENGTH_CLASSES, TOKEN_IDS, LoadConfig, plan_jobs, run_load
+from bench.load_report import (
+    MEMORY_MARGIN,
+    by_class,
+    exactly_once_problems,
+    finished_once,
+    job_keys_left,
+    memory_growth,
+)
+from bench.observe import key_pattern
+
+JOB = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_plan_mixes_the_length_classes_in_their_shares():
+    planned = plan_jobs(60, seed=3)
+    classes = [c for c, _ in planned]
+    assert {c: classes.count(c) for c in LENGTH_CLASSES} == {"short": 30, "medium": 18,
+                                                             "long": 12}
+    assert classes[:30].count("short") < 30  # shuffled, not in blocks
+    for cls, ids in planned:
+        lo, hi = LENGTH_CLASSES[cls]
+        assert lo <= len(ids) <= hi and ids[0] == 2
+        assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for t in ids[1:])
+    assert plan_jobs(60, seed=3) == planned != plan_jobs(60, seed=4)
+
+
+def test_key_patterns_hide_job_ids_and_keep_model_hashes():
+    sha = "ab" * 32
+    assert key_pattern(f"prefillq:{{{JOB}}}:job") == "prefillq:{*}:job"
+    assert key_pattern(f"rq:job:{JOB}-0123456789ab") == "rq:job:*"
+    assert key_pattern(f"prefillq:idem:{JOB}") == "prefillq:idem:*"
+    assert key_pattern(f"prefillq:tokenizer:{sha}") == f"prefillq:tokenizer:{sha}"
+    assert key_pattern("prefillq:worker:w1:heartbeat") == "prefillq:worker:w1:heartbeat"
+
+
+def assert_load_holds(run) -> None:
+    cfg = run.config
+    assert exactly_once_problems(run.warmup, cfg.warmup_jobs) == []
+    assert exactly_once_problems(run.load, cfg.jobs) == []
+    assert finished_once(run.load) == cfg.jobs
+    assert run.worker_exit_codes == [0] * cfg.workers
+    rows = by_class(run.load)
+    assert {c: rows[c]["jobs"] for c in LENGTH_CLASSES} == Counter(run.load.classes.values())
+    assert all(0 < r["p50_s"] <= r["p99_s"] <= r["max_s"] for r in rows.values())
+    # what stays once the TTLs expired: only what the baseline held
+    assert job_keys_left(run.load) == {}, run.load.keys
+    assert set(run.load.keys) <= set(run.warmup.keys), run.load.keys
+    base, after = run.warmup.memory, run.load.memory
+    assert after["connections"] == base["connections"]
+    assert run.load.peak > base["used_memory"]  # the sampler saw the jobs' data
+    first_called = sorted(set(after["commands"]) - set(base["commands"]))
+    assert abs(memory_growth(run)) <= MEMORY_MARGIN, (memory_growth(run), first_called,
+                                                      base, after)
+
+
+def test_60_mixed_jobs_on_3_workers_finish_once_and_memory_returns(tmp_path):
+    # ~25 s on 2 busy cores: a 3 s TTL, 12 warm-up jobs, generous waits
+    run = run_load(LoadConfig(jobs=60, workers=3, ttl_s=3, timeout_s=600), tmp_path)
+    assert_load_holds(run)
+
+
+@pytest.mark.long
+def test_1000_mixed_jobs_on_3_workers_finish_once_and_memory_returns(tmp_path):
+    run = run_load(LoadConfig(jobs=1000, workers=3, ttl_s=5, timeout_s=3600), tmp_path)
+    assert_load_holds(run)
