@@ -9,6 +9,7 @@ from collections import Counter
 from jobs import JobState
 
 from .common import Recorder
+from .load import CLASS_SHARES, LENGTH_CLASSES
 from .observe import TERMINAL
 
 ALL = "all"
@@ -74,7 +75,8 @@ def job_keys_left(phase) -> dict[str, dict[str, int]]:
 def by_class(phase) -> dict[str, dict[str, float]]:
     """Per length class and for ``all``: ``jobs``, ``jobs_per_s`` (the class's jobs over
     its first submit to its last finish), ``p50_s``, ``p99_s``, ``max_s`` (submit to
-    finished: ``finished_at - enqueued_at``) and ``tokens``; finished jobs only."""
+    finished: ``finished_at - enqueued_at``), ``tokens`` and ``chunks``; finished jobs
+    only."""
     groups: dict[str, list] = {}
     for job_id, cls in phase.classes.items():
         status = phase.statuses.get(job_id)
@@ -82,21 +84,20 @@ def by_class(phase) -> dict[str, dict[str, float]]:
             groups.setdefault(cls, []).append(status)
             groups.setdefault(ALL, []).append(status)
     out = {}
-    for cls in sorted(groups, key=lambda c: (c == ALL, c)):
+    for cls in [c for c in (*LENGTH_CLASSES, ALL) if c in groups]:
         done = groups[cls]
         latency = [s.finished_at - s.enqueued_at for s in done]
         span = max(s.finished_at for s in done) - min(s.enqueued_at for s in done)
         out[cls] = {"jobs": len(done), "jobs_per_s": len(done) / span,
                     "p50_s": percentile(latency, 50), "p99_s": percentile(latency, 99),
-                    "max_s": max(latency), "tokens": sum(s.n_tokens or 0 for s in done)}
+                    "max_s": max(latency), "tokens": sum(s.n_tokens or 0 for s in done),
+                    "chunks": sum(s.chunks_done for s in done)}
     return out
 
 
 def report(rec: Recorder, run) -> None:
     """The records of a `bench.load.LoadRun`: exactly-once, then jobs/s and latency per
     class, then Redis memory at baseline, peak and after (with the keys left)."""
-    from .load import CLASS_SHARES, LENGTH_CLASSES
-
     cfg, phase = run.config, run.load
     how = {"jobs": cfg.jobs, "workers": cfg.workers, "clients": cfg.clients,
            "model": cfg.model, "chunk_tokens": cfg.chunk_tokens, "ttl_s": cfg.ttl_s}
@@ -106,10 +107,11 @@ def report(rec: Recorder, run) -> None:
         idempotent_retries_new_id=phase.duplicate_ids, submit_s=round(phase.submit_s, 2),
         ended_s=round(phase.ended_s, 2))
     for cls, row in by_class(phase).items():
-        where = {"length_class": cls, "tokens": LENGTH_CLASSES.get(cls, "mixed"),
+        where = {"length_class": cls, "token_range": LENGTH_CLASSES.get(cls, "mixed"),
                  "share": CLASS_SHARES.get(cls, 1.0), "class_jobs": row["jobs"]}
         rec("load_jobs_per_s", row["jobs_per_s"], "jobs/s", **where, **how,
-            tokens_per_s=round(row["tokens"] * row["jobs_per_s"] / row["jobs"], 1))
+            tokens_per_s=round(row["tokens"] * row["jobs_per_s"] / row["jobs"], 1),
+            chunks_per_job=round(row["chunks"] / row["jobs"], 2))
         rec("load_latency_p50_s", row["p50_s"], "s", **where, **how)
         rec("load_latency_p99_s", row["p99_s"], "s", **where, **how,
             max_s=round(row["max_s"], 3))
