@@ -2,8 +2,8 @@
 (`bench.load`, the same code path as ``python -m bench.load``). Every job finishes exactly
 once (its status, one terminal message on its channel, the cluster's counters), and once
 the TTLs expire Redis holds what it held at the baseline: no key that names a job, no new
-kind of key, no extra connection, and memory apart from the connections' buffers within
-`bench.load_report.MEMORY_MARGIN` of the baseline."""
+kind of key, at most a connection more per worker, and memory apart from the connections'
+buffers within `bench.load_report.MEMORY_MARGIN` of the baseline."""
 
 from __future__ import annotations
 
@@ -56,11 +56,14 @@ def assert_load_holds(run) -> None:
     rows = by_class(run.load)
     assert {c: rows[c]["jobs"] for c in LENGTH_CLASSES} == Counter(run.load.classes.values())
     assert all(0 < r["p50_s"] <= r["p99_s"] <= r["max_s"] for r in rows.values())
+    assert all(0 < r["run_p50_s"] <= r["p50_s"] for r in rows.values())
     # what stays once the TTLs expired: only what the baseline held
     assert job_keys_left(run.load) == {}, run.load.keys
     assert set(run.load.keys) <= set(run.warmup.keys), run.load.keys
     base, after = run.warmup.memory, run.load.memory
-    assert after["connections"] == base["connections"]
+    # a worker's pool opens a connection per thread that uses it at once (chunk loop,
+    # heartbeat, checkpoint writer): at most one more than the baseline's per worker
+    assert base["connections"] <= after["connections"] <= base["connections"] + cfg.workers
     assert run.load.peak > base["used_memory"]  # the sampler saw the jobs' data
     first_called = sorted(set(after["commands"]) - set(base["commands"]))
     assert abs(memory_growth(run)) <= MEMORY_MARGIN, (memory_growth(run), first_called,
