@@ -1,13 +1,14 @@
 """Load: mixed-length jobs across ``prefillq worker`` processes on one real redis-server
 (`bench.load`, the same code path as ``python -m bench.load``). Every job finishes exactly
 once (its status, one terminal message on its channel, the cluster's counters), and once
-the TTLs expire Redis holds what it held at the baseline: no key that names a job, no new
-kind of key, at most a connection more per worker, and memory apart from the connections'
-buffers within `bench.load_report.MEMORY_MARGIN` of the baseline."""
+the TTLs expire Redis holds what it held at the baseline: no key that names a job, no key
+that grew (`bench.load_report.keys_grown`), at most a connection more per worker, and
+memory apart from the connections' buffers within `bench.load_report.MEMORY_MARGIN`."""
 
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ from bench.load_report import (
     exactly_once_problems,
     finished_once,
     job_keys_left,
+    keys_grown,
     memory_growth,
 )
 from bench.observe import key_pattern
@@ -47,6 +49,20 @@ def test_key_patterns_hide_job_ids_and_keep_model_hashes():
     assert key_pattern("prefillq:worker:w1:heartbeat") == "prefillq:worker:w1:heartbeat"
 
 
+def test_keys_grown_finds_a_key_that_collects_jobs_and_new_keys_that_never_expire():
+    def row(count, size, no_ttl=1):
+        return {"count": count, "bytes": size, "no_ttl": no_ttl}
+
+    base = {"prefillq:stats": row(1, 280), "prefillq:worker:w1:jobs": row(1, 100),
+            "rq:worker:w1": row(1, 440, 0)}
+    after = {"prefillq:stats": row(1, 376),  # digits and histogram fields
+             "prefillq:worker:w1:jobs": row(1, 100 + 60 * 34),  # 60 job ids kept
+             "rq:worker:w1": row(1, 440, 0), "rq:clean_groups": row(1, 72, 0),
+             "prefillq:leftover": row(1, 90)}
+    run = SimpleNamespace(warmup=SimpleNamespace(keys=base), load=SimpleNamespace(keys=after))
+    assert set(keys_grown(run)) == {"prefillq:worker:w1:jobs", "prefillq:leftover"}
+
+
 def assert_load_holds(run) -> None:
     cfg = run.config
     assert exactly_once_problems(run.warmup, cfg.warmup_jobs) == []
@@ -59,7 +75,7 @@ def assert_load_holds(run) -> None:
     assert all(0 < r["run_p50_s"] <= r["p50_s"] for r in rows.values())
     # what stays once the TTLs expired: only what the baseline held
     assert job_keys_left(run.load) == {}, run.load.keys
-    assert set(run.load.keys) <= set(run.warmup.keys), run.load.keys
+    assert keys_grown(run) == {}
     base, after = run.warmup.memory, run.load.memory
     # a worker's pool opens a connection per thread that uses it at once (chunk loop,
     # heartbeat, checkpoint writer): at most one more than the baseline's per worker
