@@ -92,17 +92,21 @@ def snapshot(conn: redis.Redis, job_ids: list[str], info_first: bool) -> Snapsho
 
 
 class WorkerFleet:
-    """`count` ``prefillq worker`` child processes named w1..wN, logs in `log_dir`."""
+    """`count` ``prefillq worker`` child processes named w1..wN serving `model`, logs in
+    `log_dir`; `options` are their further ``prefillq worker`` options (default:
+    ``--chunk-tokens CHUNK_TOKENS``)."""
 
-    def __init__(self, url: str, count: int, log_dir: Path):
+    def __init__(self, url: str, count: int, log_dir: Path, model: str = MODEL,
+                 options: list[str] | None = None):
         self.url, self.log_dir = url, log_dir
+        options = ["--chunk-tokens", str(CHUNK_TOKENS)] if options is None else options
         self.procs: dict[str, subprocess.Popen] = {}
         for k in range(1, count + 1):
             name = f"w{k}"
             with open(log_dir / f"{name}.log", "w") as out:
                 self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "worker", "worker", "--redis", url, "--model", MODEL,
-                     "--chunk-tokens", str(CHUNK_TOKENS), "--name", name],
+                    [sys.executable, "-m", "worker", "worker", "--redis", url, "--model", model,
+                     *options, "--name", name],
                     stdout=out, stderr=subprocess.STDOUT)
 
     def wait_registered(self, conn: redis.Redis) -> None:

@@ -51,7 +51,9 @@ class AsyncPrefillClient:
             ``decode_responses`` False and no ``health_check_interval`` (see `Subscriber`).
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
-            set it for the jobs they end; keep the two equal).
+            set it for the jobs they end; keep the two equal), and of an idempotency key's
+            claim from its submit: with equal TTLs the claim ends before the record it
+            names (by the job's queueing and run time), never naming an expired job.
         limits: what `submit` accepts (`jobs.limits.Limits`: prompt bytes and tokens,
             top_k, prompt_logprobs); workers check every job again against theirs.
     """
@@ -180,7 +182,7 @@ class AsyncPrefillClient:
         protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
         if idempotency_key is not None:
             claim = keys.idempotency(idempotency_key)
-            if not await self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
+            if not await self.redis.set(claim, record.job_id, nx=True, ex=self.result_ttl_s):
                 return (await self.redis.get(claim)).decode()
         worker = await self.session_holder(session) if session else None
         async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one

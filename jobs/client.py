@@ -71,7 +71,9 @@ class PrefillClient:
         redis: a connection (``decode_responses`` must be False).
         max_queue_depth: `submit` raises QueueFull when a model's intake holds this many.
         result_ttl_s: lifetime of the record of a job canceled before it started (workers
-            set it for the jobs they end; keep the two equal).
+            set it for the jobs they end; keep the two equal), and of an idempotency key's
+            claim from its submit: with equal TTLs the claim ends before the record it
+            names (by the job's queueing and run time), never naming an expired job.
         limits: what `submit` accepts (`jobs.limits.Limits`: prompt bytes and tokens,
             top_k, prompt_logprobs); workers check every job again against theirs.
     """
@@ -178,7 +180,7 @@ class PrefillClient:
         protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
         if idempotency_key is not None:
             claim = keys.idempotency(idempotency_key)
-            if not self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
+            if not self.redis.set(claim, record.job_id, nx=True, ex=self.result_ttl_s):
                 return self.redis.get(claim).decode()
         with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job land together
             pipe.multi()

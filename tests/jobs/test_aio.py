@@ -228,6 +228,19 @@ async def test_an_idempotent_resubmit_returns_the_first_job(aclient, connect):
     assert queued(connect(), intake_queue(connect(), MODEL)) == [first]
 
 
+async def test_an_idempotency_claim_lives_the_clients_result_ttl(redis_server, worker, connect):
+    # a claim outliving the record it names would answer a retry with an expired job (and
+    # kept a key per job for 24 h whatever the TTLs: found by tests/reliability/test_load.py)
+    conn = connect()
+    first = PrefillClient(conn, result_ttl_s=30).submit(
+        tokens=ids(20, 6), model=MODEL, idempotency_key="sync")
+    async with AsyncPrefillClient.from_url(redis_server, result_ttl_s=30) as aclient:
+        second = await aclient.submit(tokens=ids(20, 7), model=MODEL, idempotency_key="async")
+    for key, job in (("sync", first), ("async", second)):
+        assert conn.get(keys.idempotency(key)).decode() == job
+        assert 0 < conn.ttl(keys.idempotency(key)) <= 30
+
+
 async def test_a_session_job_is_routed_to_its_holder_like_the_sync_ones(
     client, aclient, worker, connect, tiny
 ):
