@@ -41,6 +41,7 @@ from .active import ActiveJob, prompt_logprobs_blob, result_of
 from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
+from .faults import FaultPlan
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
 from .roundtrip import Probe, Reply, run_script
@@ -66,14 +67,17 @@ class Stepper:
         result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
+        faults: the test-only fault plan (`worker.faults`); None in production.
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  admission: Admission, admit_from: Callable[[], list[str]], *,
                  chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None):
+                 checkpointing: Checkpointing | None = None,
+                 faults: FaultPlan | None = None):
         self.connection, self.name, self.models = connection, name, models
+        self.faults = faults
         self.sessions, self.checkpointing = sessions, checkpointing
         self.admission, self.admit_from = admission, admit_from
         self.chunk_tokens = chunk_tokens
@@ -192,6 +196,9 @@ class Stepper:
             size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cursor,
                     prefill.cached_tokens, prefill.reuse,
                     "" if prefill.resumed_from is None else prefill.resumed_from]
+        if self.faults is not None:
+            self.faults.pause("before_start", job_id, len(prefill.token_ids) if prefill else 0,
+                              record.attempts + 1)
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
             args=[self.name, now(), uuid.uuid4().hex, plan, *size],
@@ -222,6 +229,8 @@ class Stepper:
             slot=prepared.slot,
             checkpoints=prepared.checkpoints or self._checkpoints_for(record, prepared),
         )
+        if self.faults is not None:
+            self.faults.install(active)
         self.active[record.job_id] = active
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
         if active.session is not None:  # before its publish: the next turn is routed here
@@ -267,6 +276,9 @@ class Stepper:
             full = packb(np.asarray(logits, dtype="<f4").tobytes())
         args = [*self._fence_args(active), packb(result_of(active, logits, prefill_s)),
                 full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_blob(p)]
+        if self.faults is not None:
+            self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
+                              attempt=active.attempt)
         reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)

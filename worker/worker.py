@@ -47,6 +47,7 @@ from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from .checkpointing import Checkpointing
 from .checkpoints import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
+from .faults import FaultPlan
 from .heartbeat import Heartbeat
 from .sessions import SessionSlots
 from .step import Stepper
@@ -117,7 +118,8 @@ class PrefillWorker(SimpleWorker):
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
     Raises:
-        ValueError: a bad `checkpoint_store` or `checkpoint_every`.
+        ValueError: a bad `checkpoint_store` or `checkpoint_every`, or a ``$PREFILLQ_FAULTS``
+            that does not parse (`worker.faults`: fault injection, for tests only).
     """
 
     death_penalty_class = NoDeathPenalty
@@ -166,7 +168,8 @@ class PrefillWorker(SimpleWorker):
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
                                logits_ttl_s=logits_ttl_s, sessions=self.sessions,
-                               checkpointing=self.checkpointing)
+                               checkpointing=self.checkpointing,
+                               faults=FaultPlan.from_env())
         self._rq_beat_at = 0.0
         self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
