@@ -172,6 +172,9 @@ class Stepper:
             log.warning("job %s has no record (expired?); skipping", job_id)
             return None
         record = JobRecord.from_hash(job_id, raw)
+        if record.state != JobState.QUEUED:  # a stray execution (the reaper's, a re-enqueue)
+            log.info("job %s is %s; not starting it", job_id, record.state.value)
+            return None
         loaded = self.models.get(record.model)
         if loaded is None:
             log.error("job %s wants model %s, not served here", job_id, record.model)

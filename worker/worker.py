@@ -51,6 +51,7 @@ from .faults import FaultPlan
 from .heartbeat import Heartbeat
 from .sessions import SessionSlots
 from .step import Stepper
+from .taking import TakingQueue, taken
 
 log = logging.getLogger("prefillq.worker")
 
@@ -152,6 +153,7 @@ class PrefillWorker(SimpleWorker):
         intake = [intake_queue(connection, m) for m in models]
         super().__init__([self.sticky, *intake], connection=connection, name=name,
                          serializer=MsgpackSerializer)
+        self.queue_class = TakingQueue.for_worker(name, connection)  # pops the reaper sees
         # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
                                    kv_budget_bytes=kv_budget_bytes,
@@ -281,6 +283,12 @@ class PrefillWorker(SimpleWorker):
             self.run_maintenance_tasks()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            self._execute(job, queue)
+        finally:  # the job is held, put back or not runnable: no longer the reaper's
+            taken(self.connection, self.name, job.id)
+
+    def _execute(self, job: Job, queue: Queue) -> None:
         try:
             allowed = job.func_name == CHUNK_FUNCTION
         except Exception:  # undecodable payload
