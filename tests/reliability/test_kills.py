@@ -9,10 +9,16 @@ logits key holds the whole vector).
 
 from __future__ import annotations
 
-from jobs import JobState, PrefillClient, keys
-from tests.integration.processes import MODEL, ids
+import itertools
+import random
+import time
 
-from .kills import assert_ended_once, kill_when_paused
+import pytest
+
+from jobs import JobState, PrefillClient, keys
+from tests.integration.processes import MODEL, ids, wait_for
+
+from .kills import assert_ended_once, kill, kill_when_paused
 
 # prompt lengths (tokens) that name the jobs the fault plan pauses
 STARTS, PUBLISHES, LOST = 45, 61, 53
@@ -56,3 +62,50 @@ def test_kills_at_the_admission_and_publish_points(server, workers, events, tiny
     assert client.status(publishes).attempts == 2
     assert client.status(lost).attempts == 2
     assert all(w.proc.poll() is None for w in live)
+
+
+@pytest.mark.parametrize("n_jobs, n_kills", [
+    pytest.param(10, 3, id="10-jobs-3-kills"),
+    pytest.param(24, 10, id="24-jobs-10-kills", marks=pytest.mark.long),
+])
+def test_random_kills_over_many_jobs(server, workers, events, tiny, n_jobs, n_kills):
+    rng = random.Random(n_jobs)
+    client = PrefillClient.from_url(server.url)
+    args = ("--max-active", "2", "--checkpoint-every", "3")
+    names = (f"w{i}" for i in itertools.count(1))
+    live = [workers(next(names), *args) for _ in range(2)]
+    jobs = {}
+    for seed in range(n_jobs):
+        token_ids = ids(rng.randint(100, 800), 100 + seed)
+        jobs[client.submit(tokens=token_ids, model=MODEL, top_k=1, logits="full")] = token_ids
+    killed = []
+    for _ in range(n_kills):
+        # a worker holding jobs, at a random moment of its work: between chunks, mid-chunk,
+        # mid-admission or mid-publish
+        wait_for(lambda live=live: holding(client, live) or all_ended(client, jobs), 120,
+                 "no worker took a job")
+        if all_ended(client, jobs):
+            break
+        time.sleep(rng.uniform(0, 0.3))
+        victim = rng.choice(holding(client, live) or live)
+        kill(victim)
+        killed.append(victim.name)
+        live = [w for w in live if w is not victim] + [workers(next(names), *args)]
+    assert len(killed) >= min(n_kills, 2), f"the jobs ended after {len(killed)} kills"
+
+    assert_ended_once(client, events, jobs, tiny)
+    wait_for(lambda: not client.redis.sismember(keys.WORKERS, killed[-1]), 60,
+             "the last killed worker was never reaped")
+    for name in killed:
+        assert not client.redis.exists(keys.worker_jobs(name), keys.worker_taking(name))
+    assert all(w.proc.poll() is None for w in live)
+
+
+def holding(client: PrefillClient, live: list) -> list:
+    """The live workers that hold or are taking a job now."""
+    return [w for w in live if w.proc.poll() is None and client.redis.exists(
+        keys.worker_jobs(w.name), keys.worker_taking(w.name))]
+
+
+def all_ended(client: PrefillClient, jobs) -> bool:
+    return all(client.status(j).state.is_terminal for j in jobs)
