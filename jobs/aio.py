@@ -29,7 +29,7 @@ from .queues import intake_levels, push_new, rq_queue_key
 from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL
-from .subscriber import Subscriber
+from .subscriber import CONNECTION_ERRORS, Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
 # Connections `from_url` opens for commands; beyond them a call waits for a free one
@@ -214,16 +214,31 @@ class AsyncPrefillClient:
         """Yield the job's status now and after every change until it is terminal.
 
         Awaits the job's pub/sub channel on the client's one subscriber (no polling; a
-        re-read at least every WATCH_RECHECK_S covers a lost message). Raises JobNotFound,
-        and JobTimeout when `timeout` seconds pass before a terminal state.
+        re-read at least every WATCH_RECHECK_S covers a lost message). Rides out Redis being
+        unreachable (a restart) for up to ``protocol.WATCH_OUTAGE_S`` seconds, never past
+        `timeout`, as `PrefillClient.watch` does.
+
+        Raises:
+            JobNotFound: no such job (also once a restart without persistence lost it).
+            JobTimeout: `timeout` seconds passed before a terminal state.
+            redis.ConnectionError, redis.TimeoutError: Redis stayed unreachable longer.
         """
         deadline = protocol.watch_deadline(timeout)
+        outage = protocol.Outage()
         async with self.subscriber.subscribe(keys.events(job_id)) as events:
             # the first read waits for the SUBSCRIBE's confirmation: no event is missed
             await events.wait(protocol.subscribe_wait(deadline))
             last = None
             while True:
-                status = await self.status(job_id)
+                try:
+                    status = await self.status(job_id)
+                except CONNECTION_ERRORS as error:  # the subscriber reconnects on its own
+                    delay = outage.retry_in(deadline)
+                    if delay is None:
+                        raise error
+                    await asyncio.sleep(delay)
+                    continue
+                outage.ended()
                 if status != last:
                     yield status
                     last = status

@@ -6,10 +6,13 @@ Imports redis, rq and msgpack only, so a web backend never pulls MLX.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import keys, protocol, stats
 from .defaults import (
@@ -27,6 +30,8 @@ from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
 
+# what a lost or refused connection raises
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 def redis_url(url: str | None = None) -> str:
     """`url`, else ``$PREFILLQ_REDIS_URL``, else ``redis://localhost:6379/0``."""
@@ -186,24 +191,42 @@ class PrefillClient:
     def watch(self, job_id: str, timeout: float | None = None) -> Iterator[JobStatus]:
         """Yield the job's status now and after every change until it is terminal.
 
-        Blocks on the job's pub/sub channel (no polling). Raises JobNotFound, and
-        JobTimeout when `timeout` seconds pass before a terminal state.
+        Blocks on the job's pub/sub channel (no polling). Rides out Redis being unreachable
+        (a restart) for up to ``protocol.WATCH_OUTAGE_S`` seconds, never past `timeout`: it
+        reconnects, subscribes again and re-reads the status.
+
+        Raises:
+            JobNotFound: no such job (also once a restart without persistence lost it).
+            JobTimeout: `timeout` seconds passed before a terminal state.
+            redis.ConnectionError, redis.TimeoutError: Redis stayed unreachable longer.
         """
         deadline = protocol.watch_deadline(timeout)
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.events(job_id))
+        outage = protocol.Outage()
+        pubsub = None
         last = None
         try:
             while True:
-                status = self.status(job_id)  # read after subscribing: no missed event
+                try:
+                    if pubsub is None:
+                        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(keys.events(job_id))
+                    status = self.status(job_id)  # read after subscribing: no missed event
+                except CONNECTION_ERRORS as error:
+                    pubsub = _closed(pubsub)
+                    _pause_or_raise(outage, deadline, error)
+                    continue
+                outage.ended()
                 if status != last:
                     yield status
                     last = status
                 if status.state.is_terminal:
                     return
-                pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
+                try:
+                    pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
+                except CONNECTION_ERRORS:  # the next turn reconnects and re-reads
+                    pubsub = _closed(pubsub)
         finally:
-            pubsub.close()
+            _closed(pubsub)
 
     def result(self, job_id: str, timeout: float | None = None) -> PrefillResult:
         """Wait up to `timeout` seconds for the job to finish and return its result.
@@ -221,3 +244,18 @@ class PrefillClient:
         blob = self.redis.hget(keys.job(job_id), "result")
         logits, logprobs = self.redis.mget(keys.logits(job_id), keys.prompt_logprobs(job_id))
         return protocol.result_of(job_id, blob, logits, logprobs)
+
+
+def _closed(pubsub) -> None:
+    """Close `pubsub` (None: nothing to close); returns None for the caller to keep."""
+    if pubsub is not None:
+        pubsub.close()
+
+
+def _pause_or_raise(outage: protocol.Outage, deadline: float | None,
+                    error: Exception) -> None:
+    """Sleep before the next try during an outage, or raise `error` once it lasted too long."""
+    delay = outage.retry_in(deadline)
+    if delay is None:
+        raise error
+    time.sleep(delay)
