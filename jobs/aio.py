@@ -28,7 +28,7 @@ from .defaults import (
 from .queues import intake_levels, push_new, rq_queue_key
 from .requests import ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
-from .scripts import CANCEL
+from .scripts import CANCEL, RELEASE_CLAIM
 from .subscriber import CONNECTION_ERRORS, Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
@@ -67,6 +67,7 @@ class AsyncPrefillClient:
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
         self._cancel = redis.register_script(CANCEL)
+        self._release_claim = redis.register_script(RELEASE_CLAIM)
 
     @classmethod
     def from_url(cls, url: str | None = None, *,
@@ -171,16 +172,24 @@ class AsyncPrefillClient:
         )
         check_against_model(record, await self._model(model))
         protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
-        if idempotency_key is not None:
-            claim = keys.idempotency(idempotency_key)
+        claim = None if idempotency_key is None else keys.idempotency(idempotency_key)
+        if claim is not None:
             if not await self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
                 return (await self.redis.get(claim)).decode()
-        worker = await self.session_holder(session) if session else None
-        async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
-            pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-            push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
-            stats.record_submitted(pipe)
-            await pipe.execute()
+        try:
+            worker = await self.session_holder(session) if session else None
+            async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
+                pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
+                push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+                stats.record_submitted(pipe)
+                await pipe.execute()
+        except Exception:
+            if claim is not None:  # as the sync client: the key is free again
+                try:
+                    await self._release_claim(keys=[claim], args=[record.job_id])
+                except Exception:
+                    pass
+            raise
         return record.job_id
 
     async def session_holder(self, session: str) -> str | None:

@@ -135,6 +135,9 @@ class PrefillClient:
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
             QueueFull: the model's intake queue is at `max_queue_depth`.
+            redis.exceptions.OutOfMemoryError: Redis refused the job's write (``maxmemory``
+                under ``noeviction``); nothing of the job was written, and its
+                `idempotency_key` is free again. Other RedisErrors (unreachable) likewise.
         """
         record = protocol.submitted_record(
             prompt=prompt, tokens=tokens, messages=messages,
@@ -145,18 +148,32 @@ class PrefillClient:
         )
         check_against_model(record, self._model(model))
         protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
-        if idempotency_key is not None:
-            claim = keys.idempotency(idempotency_key)
+        claim = None if idempotency_key is None else keys.idempotency(idempotency_key)
+        if claim is not None:
             if not self.redis.set(claim, record.job_id, nx=True, ex=DEFAULT_RESULT_TTL_S):
                 return self.redis.get(claim).decode()
-        with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job land together
-            pipe.multi()
-            pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-            enqueue_new(self.redis, record.job_id, model, record.priority, pipe,
-                        worker=self.session_holder(session) if session else None)
-            stats.record_submitted(pipe)
-            pipe.execute()
+        self._enqueue(record, claim)
         return record.job_id
+
+    def _enqueue(self, record, claim: str | None) -> None:
+        """Write `record` and its RQ job in one MULTI; if that fails (a write Redis refused),
+        give the idempotency `claim` back before raising."""
+        try:
+            with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job together
+                pipe.multi()
+                pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
+                enqueue_new(self.redis, record.job_id, record.model, record.priority, pipe,
+                            worker=self.session_holder(record.session) if record.session
+                            else None)
+                stats.record_submitted(pipe)
+                pipe.execute()
+        except Exception:
+            if claim is not None:
+                try:  # best effort: the caller sees the submit's own error
+                    self._scripts.release_claim(keys=[claim], args=[record.job_id])
+                except Exception:
+                    pass
+            raise
 
     def session_holder(self, session: str) -> str | None:
         """The live worker that keeps `session`'s slot (its next job is routed there), or

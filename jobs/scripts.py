@@ -188,6 +188,14 @@ end
 return 'unchanged'
 """
 
+# A submit whose record Redis refused (maxmemory) gives its idempotency claim back, unless
+# another submit holds it now, so a retry with the same key is not answered with a job that
+# never existed. KEYS[1] the claim; ARGV[1] the refused job's id. (DEL is never refused.)
+RELEASE_CLAIM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # A worker dequeues: pop the first RQ job of its queues, in order, and record it as being
 # taken by the worker in the same step, so a worker killed before it starts the job leaves
 # it to the reaper instead of losing it. KEYS[1] the worker's taking set, KEYS[2..] the RQ
@@ -226,3 +234,4 @@ class Scripts:
         self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
         self.release_session: Script = redis.register_script(RELEASE_SESSION)
         self.take: Script = redis.register_script(TAKE)
+        self.release_claim: Script = redis.register_script(RELEASE_CLAIM)
