@@ -9,7 +9,8 @@
 - ``pause_before_publish``: once a matching job's last chunk ran and its logits are
   computed, the worker logs ``fault: job <id> paused before_publish`` and sleeps
   ``seconds=S`` (default 600) before the publish script, its heartbeat thread beating on,
-  so a test can SIGKILL it exactly there.
+  so a test can SIGKILL it exactly there; with ``until=PATH`` it goes on once that file
+  exists (at most S seconds), so a test can change the world first.
 - ``pause_before_start``: the same, once the worker dequeued a job and prepared it (its
   tokens, plan and cache), before the script that takes it (``queued -> prefilling``).
 
@@ -40,6 +41,8 @@ KINDS = ("raise_in_chunk", "pause_before_publish", "pause_before_start")
 _INT_KEYS = ("tokens", "chunk")
 # a paused worker sleeps this long unless the rule says otherwise: past any test's timeout
 DEFAULT_PAUSE_S = 600.0
+# how often a pause with ``until`` looks for its file
+PAUSE_POLL_S = 0.05
 
 
 class InjectedFault(RuntimeError):
@@ -56,6 +59,7 @@ class FaultRule:
     attempts: frozenset[int] | None = None
     chunk: int = 1
     seconds: float = DEFAULT_PAUSE_S
+    until: str | None = None
 
     def matches(self, job_id: str, n_tokens: int, attempt: int) -> bool:
         return ((self.job is None or self.job == job_id)
@@ -76,7 +80,7 @@ class FaultRule:
         for pair in pairs:
             key, sep, value = pair.partition("=")
             try:
-                if not sep or key not in ("job", "attempts", "seconds", *_INT_KEYS):
+                if not sep or key not in ("job", "attempts", "seconds", "until", *_INT_KEYS):
                     raise ValueError("unknown key")
                 if key in _INT_KEYS:
                     fields[key] = int(value)
@@ -84,7 +88,7 @@ class FaultRule:
                     fields[key] = frozenset(int(a) for a in value.split(","))
                 elif key == "seconds":
                     fields[key] = float(value)
-                else:
+                else:  # job, until
                     fields[key] = value
             except ValueError:
                 raise ValueError(f"{FAULTS_ENV}: bad {pair!r} in {text!r}") from None
@@ -157,6 +161,12 @@ class FaultPlan:
             attempt: the attempt the job is in (or, before its start, about to begin).
         """
         rule = self._first(f"pause_{point}", job_id, n_tokens, attempt)
-        if rule is not None:
-            log.warning("fault: job %s paused %s (%g s)", job_id, point, rule.seconds)
-            time.sleep(rule.seconds)
+        if rule is None:
+            return
+        log.warning("fault: job %s paused %s (%g s)", job_id, point, rule.seconds)
+        end = time.monotonic() + rule.seconds
+        while time.monotonic() < end:
+            if rule.until is not None and os.path.exists(rule.until):
+                log.warning("fault: job %s goes on (%s exists)", job_id, rule.until)
+                return
+            time.sleep(min(PAUSE_POLL_S, max(0.0, end - time.monotonic())))

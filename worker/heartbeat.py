@@ -105,7 +105,14 @@ class Heartbeat:
             return False
 
     def beat(self) -> None:
-        self.connection.set(keys.worker_heartbeat(self.name), now(), ex=self.ttl_s)
+        """Refresh the heartbeat key. Under ``maxmemory`` (the SET refused) its TTL is
+        extended instead (EXPIRE is never refused), so a live worker is not reaped."""
+        key = keys.worker_heartbeat(self.name)
+        try:
+            self.connection.set(key, now(), ex=self.ttl_s)
+        except ResponseError as error:
+            if not refused_write(error) or not self.connection.expire(key, self.ttl_s):
+                raise
 
     def start(self) -> None:
         """Start the beat thread (a daemon)."""
@@ -131,6 +138,7 @@ class Heartbeat:
         interval = self.ttl_s / 6
         while not self._stop.wait(interval):
             try:
+                self.beat()  # first: at maxmemory the writes below are refused, this is not
                 self.register_models()  # idempotent; restores a Redis that lost its data
                 if self.on_beat is not None:
                     self.on_beat()

@@ -8,13 +8,16 @@ record and in no queue, forever. So every pop is recorded in the worker's taking
 held, in ``keys.worker_jobs``, or was put back or skipped), and the reaper re-enqueues the
 jobs a dead worker was taking (`jobs.reaper`).
 
-A queue that holds a job is popped and recorded in one step (`jobs.scripts.TAKE`). A worker
-with nothing to pop waits in RQ's blocking pop (BLPOP) and records what it brings at once:
-only a death in that one round trip's gap can still lose the job.
+A queue that holds a job is popped and recorded in one step (`jobs.scripts.TAKE`; Redis
+lets a script that has popped go on writing under ``maxmemory``). A worker with nothing to
+pop waits in RQ's blocking pop (BLPOP) and records what it brings at once: only a death in
+that one round trip's gap can still lose the job (or, under ``maxmemory``, where the record
+is refused, a death before memory frees: the job's refused START parks its re-enqueue).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -27,6 +30,10 @@ from rq.utils import as_text
 
 from jobs import keys
 from jobs.scripts import TAKE
+
+from .connection import refused_write
+
+log = logging.getLogger("prefillq.worker")
 
 
 class TakingQueue(Queue):
@@ -86,7 +93,12 @@ class TakingQueue(Queue):
         popped = connection.blpop(queue_keys, timeout)
         if popped is None:
             raise DequeueTimeout(timeout, queue_keys)
-        connection.sadd(cls.taking_key, popped[1])
+        try:
+            connection.sadd(cls.taking_key, popped[1])
+        except Exception as error:  # maxmemory: the job's START is refused too, and parked
+            if not refused_write(error):
+                raise
+            log.warning("Redis refused recording the pop of %s: %s", as_text(popped[1]), error)
         return popped
 
 
