@@ -180,7 +180,7 @@ class PrefillWorker(SimpleWorker):
         self._stop_signal = "SIGTERM"
 
     def _on_beat(self) -> None:
-        # on the heartbeat thread: parked writes, and expired checkpoint files once a minute
+        # on the maintenance thread: parked writes, and expired checkpoint files once a minute
         self.stepper.settle()
         if self.checkpointing is not None and time.monotonic() >= self._swept_at + 60:
             self._swept_at = time.monotonic()
