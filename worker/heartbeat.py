@@ -152,7 +152,9 @@ class Heartbeat:
                 log.warning("heartbeat failed (%s); retrying", error,
                             exc_info=not refused_write(error))
             if self._stop.wait(self.ttl_s / 6):
-                return
+                break
+        if beats is not self.connection:
+            beats.close()
 
     def _maintain_loop(self) -> None:
         # Dead workers are looked for as often as the worker beats.
