@@ -64,34 +64,40 @@ def test_kills_at_the_admission_and_publish_points(server, workers, events, tiny
     assert all(w.proc.poll() is None for w in live)
 
 
-@pytest.mark.parametrize("n_jobs, n_kills", [
-    pytest.param(10, 3, id="10-jobs-3-kills"),
-    pytest.param(24, 10, id="24-jobs-10-kills", marks=pytest.mark.long),
+@pytest.mark.parametrize("n_jobs, n_kills, longest", [
+    pytest.param(10, 3, 800, id="10-jobs-3-kills"),
+    pytest.param(24, 10, 2000, id="24-jobs-10-kills", marks=pytest.mark.long),
 ])
-def test_random_kills_over_many_jobs(server, workers, events, tiny, n_jobs, n_kills):
+def test_random_kills_over_many_jobs(server, workers, events, tiny, n_jobs, n_kills, longest):
     rng = random.Random(n_jobs)
     client = PrefillClient.from_url(server.url)
     args = ("--max-active", "2", "--checkpoint-every", "3")
     names = (f"w{i}" for i in itertools.count(1))
     live = [workers(next(names), *args) for _ in range(2)]
     jobs = {}
-    for seed in range(n_jobs):
-        token_ids = ids(rng.randint(100, 800), 100 + seed)
-        jobs[client.submit(tokens=token_ids, model=MODEL, top_k=1, logits="full")] = token_ids
+    seeds = iter(range(n_jobs))
+
+    def submit(n: int) -> None:
+        for seed in itertools.islice(seeds, n):
+            token_ids = ids(rng.randint(100, longest), 100 + seed)
+            jobs[client.submit(tokens=token_ids, model=MODEL, top_k=1, logits="full")] = \
+                token_ids
+
     killed = []
+    batch = -(-n_jobs // (n_kills + 1))  # a batch before each kill: there is work to kill
     for _ in range(n_kills):
+        submit(batch)
         # a worker holding jobs, at a random moment of its work: between chunks, mid-chunk,
         # mid-admission or mid-publish
         wait_for(lambda live=live: holding(client, live) or all_ended(client, jobs), 120,
-                 "no worker took a job")
-        if all_ended(client, jobs):
-            break
+                 "no worker took a job")  # (all ended: an idle worker dies)
         time.sleep(rng.uniform(0, 0.3))
         victim = rng.choice(holding(client, live) or live)
         kill(victim)
         killed.append(victim.name)
         live = [w for w in live if w is not victim] + [workers(next(names), *args)]
-    assert len(killed) >= min(n_kills, 2), f"the jobs ended after {len(killed)} kills"
+    submit(n_jobs)  # the rest
+    assert len(jobs) == n_jobs
 
     assert_ended_once(client, events, jobs, tiny)
     wait_for(lambda: not client.redis.sismember(keys.WORKERS, killed[-1]), 60,
