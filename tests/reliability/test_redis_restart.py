@@ -110,3 +110,30 @@ class Waiter:
         self._thread.join(timeout)
         assert self._ended, "the waiter is still blocked"
         return self._ended[0]
+
+
+@pytest.mark.long
+def test_repeated_redis_restarts_with_aof(tmp_path, workers, tiny):
+    srv = RedisServer(tmp_path / "redis", appendonly=True)
+    srv.workdir.mkdir()
+    srv.start()
+    try:
+        client = PrefillClient.from_url(srv.url)
+        procs = [workers(f"w{i}", *WORKER_ARGS, url=srv.url) for i in (1, 2, 3)]
+        load = {}
+        for seed in range(12):
+            token_ids = ids(300 + 100 * seed, 30 + seed)
+            load[client.submit(tokens=token_ids, model=MODEL, top_k=1, logits="full")] = \
+                token_ids
+        for _ in range(3):
+            wait_for(lambda: any(client.redis.hget(keys.job(j), "state") == b"prefilling"
+                                 for j in load), 120, "nothing in flight")
+            srv.stop()
+            time.sleep(1.0)
+            srv.start()
+        for job, token_ids in load.items():
+            assert_exact(client.result(job, timeout=300), tiny, token_ids)
+        assert publishes(procs) == collections.Counter(list(load))
+        assert all(p.proc.poll() is None for p in procs)
+    finally:
+        srv.stop()
