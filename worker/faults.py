@@ -9,12 +9,13 @@
 - ``pause_before_publish``: once a matching job's last chunk ran and its logits are
   computed, the worker logs ``fault: job <id> paused before_publish`` and sleeps
   ``seconds=S`` (default 600) before the publish script, its heartbeat thread beating on,
-  so a test can SIGKILL it exactly there; with ``until=PATH`` it goes on once that file
-  exists (at most S seconds), so a test can change the world first.
+  so a test can SIGKILL it exactly there; with ``until=PATH`` (no ``:`` or ``;`` in it) it
+  goes on once that file exists (at most S seconds), so a test can change the world first.
 - ``pause_before_start``: the same, once the worker dequeued a job and prepared it (its
-  tokens, plan and cache), before the script that takes it (``queued -> prefilling``).
+  tokens, plan and cache), before the script that takes it (``queued -> prefilling``); its
+  attempt is the one about to begin.
 
-Selectors, for both kinds; every one given must match: ``job=<id>``, ``tokens=N`` (the
+Selectors, for every kind; each one given must match: ``job=<id>``, ``tokens=N`` (the
 prompt's length) and ``attempts=1,2`` (the job's attempt numbers it fires on; default
 every attempt). Attempts are the job's own (Redis counts them), so a rule fires the same
 way on whichever worker runs the attempt.
@@ -23,7 +24,7 @@ Example: ``PREFILLQ_FAULTS="raise_in_chunk:tokens=40:chunk=2:attempts=1,2"`` fai
 second chunk of a 40-token job's first two attempts; the third runs clean.
 
 Unset (production), `FaultPlan.from_env` returns None: no model is wrapped and the cost is
-one ``is None`` test per job start and per publish. Set, the worker logs a warning naming
+an ``is None`` test or two per job start and one per publish. Set, the worker logs a warning naming
 the plan when it is built.
 """
 
