@@ -14,7 +14,7 @@ BLAS_GLOB := /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 endif
 
-.PHONY: install run test bench bench-quick bench-llama lint system-deps clean
+.PHONY: install run test test-long bench bench-quick bench-llama lint system-deps clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ run: install
 
 test: install
 	$(RUN_ENV) $(BIN)/python -m pytest -q
+
+# only the long variants of the reliability and load tests (marked `long`), which `make test`
+# leaves out (pyproject's addopts)
+test-long: install
+	$(RUN_ENV) $(BIN)/python -m pytest -q -m long
 
 # Both write their JSON lines to a new bench/results/ file named for the minute (bench
 # refuses to overwrite one); `make bench` also redraws the committed plots in docs/bench/

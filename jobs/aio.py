@@ -29,8 +29,8 @@ from .limits import Limits
 from .queues import intake_levels, push_new, rq_queue_key
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model
 from .schema import JobStatus, LogitsMode, PrefillResult
-from .scripts import CANCEL
-from .subscriber import Subscriber
+from .scripts import CANCEL, RELEASE_CLAIM
+from .subscriber import CONNECTION_ERRORS, Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
 # Connections `from_url` opens for commands; beyond them a call waits for a free one
@@ -74,6 +74,7 @@ class AsyncPrefillClient:
         self.result_ttl_s = result_ttl_s
         self.limits = limits
         self._cancel = redis.register_script(CANCEL)
+        self._release_claim = redis.register_script(RELEASE_CLAIM)
 
     @classmethod
     def from_url(cls, url: str | None = None, *,
@@ -180,16 +181,24 @@ class AsyncPrefillClient:
         )
         check_against_model(record, await self._model(model), self.limits)
         protocol.check_depth(model, await self._intake_depth(model), self.max_queue_depth)
-        if idempotency_key is not None:
-            claim = keys.idempotency(idempotency_key)
+        claim = None if idempotency_key is None else keys.idempotency(idempotency_key)
+        if claim is not None:
             if not await self.redis.set(claim, record.job_id, nx=True, ex=self.result_ttl_s):
                 return (await self.redis.get(claim)).decode()
-        worker = await self.session_holder(session) if session else None
-        async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
-            pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-            push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
-            stats.record_submitted(pipe)
-            await pipe.execute()
+        try:
+            worker = await self.session_holder(session) if session else None
+            async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
+                pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
+                push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+                stats.record_submitted(pipe)
+                await pipe.execute()
+        except Exception:
+            if claim is not None:  # as the sync client: the key is free again
+                try:
+                    await self._release_claim(keys=[claim], args=[record.job_id])
+                except Exception:
+                    pass
+            raise
         return record.job_id
 
     async def session_holder(self, session: str) -> str | None:
@@ -224,17 +233,32 @@ class AsyncPrefillClient:
         """Yield the job's status now and after every change until it is terminal.
 
         Awaits the job's pub/sub channel on the client's one subscriber (no polling; a
-        re-read at least every WATCH_RECHECK_S covers a lost message). Raises JobNotFound,
-        and JobTimeout when `timeout` seconds pass before a terminal state.
+        re-read at least every WATCH_RECHECK_S covers a lost message). Rides out Redis being
+        unreachable (a restart) for up to ``protocol.WATCH_OUTAGE_S`` seconds, never past
+        `timeout`, as `PrefillClient.watch` does.
+
+        Raises:
+            JobNotFound: no such job (also once a restart without persistence lost it).
+            JobTimeout: `timeout` seconds passed before a terminal state.
+            redis.ConnectionError, redis.TimeoutError: Redis stayed unreachable longer.
         """
         job_id = protocol.checked_id(job_id)
         deadline = protocol.watch_deadline(timeout)
+        outage = protocol.Outage()
         async with self.subscriber.subscribe(keys.events(job_id)) as events:
             # the first read waits for the SUBSCRIBE's confirmation: no event is missed
             await events.wait(protocol.subscribe_wait(deadline))
             last = None
             while True:
-                status = await self.status(job_id)
+                try:
+                    status = await self.status(job_id)
+                except CONNECTION_ERRORS as error:  # the subscriber reconnects on its own
+                    delay = outage.retry_in(deadline)
+                    if delay is None:
+                        raise error
+                    await asyncio.sleep(delay)
+                    continue
+                outage.ended()
                 if status != last:
                     yield status
                     last = status

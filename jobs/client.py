@@ -6,11 +6,14 @@ Imports redis, rq and msgpack only, so a web backend never pulls MLX.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import keys, protocol, stats
 from .defaults import (
@@ -29,6 +32,8 @@ from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
 
+# what a lost or refused connection raises
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 def redis_url(url: str | None = None) -> str:
     """`url`, else ``$PREFILLQ_REDIS_URL``, else ``redis://localhost:6379/0``.
@@ -168,6 +173,9 @@ class PrefillClient:
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
             QueueFull: the model's intake queue is at `max_queue_depth`.
+            redis.exceptions.OutOfMemoryError: Redis refused the job's write (``maxmemory``
+                under ``noeviction``); nothing of the job was written, and its
+                `idempotency_key` is free again. Other RedisErrors (unreachable) likewise.
         """
         record = protocol.submitted_record(
             self.limits, prompt=prompt, tokens=tokens, messages=messages,
@@ -178,18 +186,32 @@ class PrefillClient:
         )
         check_against_model(record, self._model(model), self.limits)
         protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
-        if idempotency_key is not None:
-            claim = keys.idempotency(idempotency_key)
+        claim = None if idempotency_key is None else keys.idempotency(idempotency_key)
+        if claim is not None:
             if not self.redis.set(claim, record.job_id, nx=True, ex=self.result_ttl_s):
                 return self.redis.get(claim).decode()
-        with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job land together
-            pipe.multi()
-            pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-            enqueue_new(self.redis, record.job_id, model, record.priority, pipe,
-                        worker=self.session_holder(session) if session else None)
-            stats.record_submitted(pipe)
-            pipe.execute()
+        self._enqueue(record, claim)
         return record.job_id
+
+    def _enqueue(self, record, claim: str | None) -> None:
+        """Write `record` and its RQ job in one MULTI; if that fails (a write Redis refused),
+        give the idempotency `claim` back before raising."""
+        try:
+            with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job together
+                pipe.multi()
+                pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
+                enqueue_new(self.redis, record.job_id, record.model, record.priority, pipe,
+                            worker=self.session_holder(record.session) if record.session
+                            else None)
+                stats.record_submitted(pipe)
+                pipe.execute()
+        except Exception:
+            if claim is not None:
+                try:  # best effort: the caller sees the submit's own error
+                    self._scripts.release_claim(keys=[claim], args=[record.job_id])
+                except Exception:
+                    pass
+            raise
 
     def session_holder(self, session: str) -> str | None:
         """The live worker that keeps `session`'s slot (its next job is routed there), or
@@ -230,25 +252,43 @@ class PrefillClient:
     def watch(self, job_id: str, timeout: float | None = None) -> Iterator[JobStatus]:
         """Yield the job's status now and after every change until it is terminal.
 
-        Blocks on the job's pub/sub channel (no polling). Raises JobNotFound, and
-        JobTimeout when `timeout` seconds pass before a terminal state.
+        Blocks on the job's pub/sub channel (no polling). Rides out Redis being unreachable
+        (a restart) for up to ``protocol.WATCH_OUTAGE_S`` seconds, never past `timeout`: it
+        reconnects, subscribes again and re-reads the status.
+
+        Raises:
+            JobNotFound: no such job (also once a restart without persistence lost it).
+            JobTimeout: `timeout` seconds passed before a terminal state.
+            redis.ConnectionError, redis.TimeoutError: Redis stayed unreachable longer.
         """
         job_id = protocol.checked_id(job_id)
         deadline = protocol.watch_deadline(timeout)
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.events(job_id))
+        outage = protocol.Outage()
+        pubsub = None
         last = None
         try:
             while True:
-                status = self.status(job_id)  # read after subscribing: no missed event
+                try:
+                    if pubsub is None:
+                        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(keys.events(job_id))
+                    status = self.status(job_id)  # read after subscribing: no missed event
+                except CONNECTION_ERRORS as error:
+                    pubsub = _closed(pubsub)
+                    _pause_or_raise(outage, deadline, error)
+                    continue
+                outage.ended()
                 if status != last:
                     yield status
                     last = status
                 if status.state.is_terminal:
                     return
-                pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
+                try:
+                    pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
+                except CONNECTION_ERRORS:  # the next turn reconnects and re-reads
+                    pubsub = _closed(pubsub)
         finally:
-            pubsub.close()
+            _closed(pubsub)
 
     def result(self, job_id: str, timeout: float | None = None) -> PrefillResult:
         """Wait up to `timeout` seconds for the job to finish and return its result.
@@ -267,3 +307,18 @@ class PrefillClient:
         blob = self.redis.hget(keys.job(job_id), "result")
         logits, logprobs = self.redis.mget(keys.logits(job_id), keys.prompt_logprobs(job_id))
         return protocol.result_of(job_id, blob, logits, logprobs)
+
+
+def _closed(pubsub) -> None:
+    """Close `pubsub` (None: nothing to close); returns None for the caller to keep."""
+    if pubsub is not None:
+        pubsub.close()
+
+
+def _pause_or_raise(outage: protocol.Outage, deadline: float | None,
+                    error: Exception) -> None:
+    """Sleep before the next try during an outage, or raise `error` once it lasted too long."""
+    delay = outage.retry_in(deadline)
+    if delay is None:
+        raise error
+    time.sleep(delay)

@@ -37,6 +37,9 @@ WORKERS = PREFIX + ":workers"
 WORKER_HEARTBEAT = PREFIX + ":worker:{worker}:heartbeat"
 # ids of the jobs a worker holds in memory (for the dead-worker reaper)
 WORKER_JOBS = PREFIX + ":worker:{worker}:jobs"
+# ids of the RQ jobs a worker dequeued and has not yet started or skipped (a set, for the
+# reaper: a job whose worker died in between goes back to intake, never lost)
+WORKER_TAKING = PREFIX + ":worker:{worker}:taking"
 # names of the models a worker serves (a set; written at registration, for live workers
 # per model)
 WORKER_MODELS = PREFIX + ":worker:{worker}:models"
@@ -123,6 +126,10 @@ def worker_heartbeat(worker: str) -> str:
 
 def worker_jobs(worker: str) -> str:
     return WORKER_JOBS.format(worker=worker)
+
+
+def worker_taking(worker: str) -> str:
+    return WORKER_TAKING.format(worker=worker)
 
 
 def worker_models(worker: str) -> str:

@@ -165,6 +165,41 @@ def subscribe_wait(deadline: float | None) -> float:
     return max(0.0, min(left, WATCH_RECHECK_S))
 
 
+# A `watch` rides out Redis being unreachable (a restart, a failover) for up to this many
+# seconds of failed reads in a row, never past its deadline; then it raises the error.
+WATCH_OUTAGE_S = 30.0
+# between tries it waits 0.05 s, doubling to at most 1 s
+OUTAGE_RETRY_FIRST_S = 0.05
+OUTAGE_RETRY_MAX_S = 1.0
+
+
+class Outage:
+    """How a `watch` rides out an unreachable Redis: `retry_in` after each failed read
+    says how long to wait before the next, or that it is time to give up."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.delay = 0.0
+
+    def ended(self) -> None:
+        """A read succeeded."""
+        self.since, self.delay = None, 0.0
+
+    def retry_in(self, deadline: float | None) -> float | None:
+        """Seconds to wait before the next try, or None: the outage has lasted
+        WATCH_OUTAGE_S or the `deadline` (monotonic, or None) has passed."""
+        at = time.monotonic()
+        if self.since is None:
+            self.since = at
+        limit = self.since + WATCH_OUTAGE_S
+        if deadline is not None:
+            limit = min(limit, deadline)
+        if at >= limit:
+            return None
+        self.delay = min(max(2 * self.delay, OUTAGE_RETRY_FIRST_S), OUTAGE_RETRY_MAX_S)
+        return min(self.delay, limit - at)
+
+
 def watch_wait(job_id: str, status: JobStatus, deadline: float | None) -> float:
     """Seconds `watch` waits for the next event after seeing a non-terminal `status`.
 

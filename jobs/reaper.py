@@ -2,7 +2,8 @@
 
 A worker's KV caches die with its process, so its jobs restart at cursor 0 with
 ``attempts + 1``, or end ``failed`` with ``WorkerLost`` once failures reach
-``max_attempts``; jobs routed to it and not started yet (its own queue) move to intake.
+``max_attempts``; jobs routed to it and not started yet (its own queue) move to intake, and
+so do the jobs it had dequeued and not yet started (its taking set, `worker.taking`).
 Every live worker runs this on a timer; ``prefillq reap`` runs it once.
 Each job moves in one fenced script (it must still be ``prefilling`` on the dead worker),
 so two reapers racing, or a worker declared dead that still runs, cannot double-queue or
@@ -20,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from . import keys, stats
 from .defaults import DEFAULT_RESULT_TTL_S
-from .queues import move_to_intake, requeue_to_intake
+from .queues import job_id_of, move_to_intake, requeue_to_intake
 from .schema import now
 from .scripts import Scripts
 
@@ -65,8 +66,12 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
     reaped = []
     for worker in dead_workers(redis):
         ended = []
-        for raw in redis.smembers(keys.worker_jobs(worker)):
-            job_id = raw.decode("utf-8", "replace")
+        held = {raw.decode("utf-8", "replace")
+                for raw in redis.smembers(keys.worker_jobs(worker))}
+        # dequeued, not started: REAP answers fenced and the job gets a new RQ execution
+        taking = {job_id_of(raw.decode("utf-8", "replace"))
+                  for raw in redis.smembers(keys.worker_taking(worker))}
+        for job_id in sorted(held | taking):
             try:
                 outcome = _reap_job(redis, scripts, worker, job_id, result_ttl_s)
             except (ResponseError, ValueError) as error:  # junk in its record: not the others'
@@ -79,6 +84,7 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
             log.warning("moved job %s routed to dead worker %s to intake", job_id, worker)
         with redis.pipeline(transaction=False) as pipe:
             pipe.delete(keys.worker_jobs(worker))
+            pipe.delete(keys.worker_taking(worker))
             pipe.delete(keys.worker_models(worker))
             pipe.srem(keys.WORKERS, worker)
             for state in filter(None, ended):

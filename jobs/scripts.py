@@ -210,6 +210,30 @@ redis.call('PUBLISH', KEYS[2], 'failed')
 return 'failed'
 """
 
+# A submit whose record Redis refused (maxmemory) gives its idempotency claim back, unless
+# another submit holds it now, so a retry with the same key is not answered with a job that
+# never existed. KEYS[1] the claim; ARGV[1] the refused job's id. (DEL is never refused.)
+RELEASE_CLAIM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# A worker dequeues: pop the first RQ job of its queues, in order, and record it as being
+# taken by the worker in the same step, so a worker killed before it starts the job leaves
+# it to the reaper instead of losing it. KEYS[1] the worker's taking set, KEYS[2..] the RQ
+# queue lists. Like RQ's own multi-queue BLPOP these keys span slots: RQ's queues are not
+# Redis Cluster keys.
+TAKE = """
+for i = 2, #KEYS do
+  local id = redis.call('LPOP', KEYS[i])
+  if id then
+    redis.call('SADD', KEYS[1], id)
+    return {KEYS[i], id}
+  end
+end
+return false
+"""
+
 # A worker stops keeping a session's slot: forget it as the holder unless another worker
 # has taken the session over since. KEYS[1] the holder key; ARGV[1] the worker.
 RELEASE_SESSION = """
@@ -232,3 +256,5 @@ class Scripts:
         self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
         self.release_session: Script = redis.register_script(RELEASE_SESSION)
         self.refuse: Script = redis.register_script(REFUSE)
+        self.take: Script = redis.register_script(TAKE)
+        self.release_claim: Script = redis.register_script(RELEASE_CLAIM)

@@ -4,11 +4,13 @@ A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients
 validate submits, publishes each model's tokenizer under ``keys.tokenizer(sha256)`` once
 (for clients that tokenize, `jobs.tokenizer`), records the names it serves under
 ``keys.worker_models(name)`` (live workers per model, `jobs.stats`), and keeps
-``keys.worker_heartbeat(name)`` alive from its own thread (every ttl/6, so a long chunk
-never delays it). Every beat it also runs the reaper (`jobs.reaper.reap`: two round trips
-when no worker died, SMEMBERS and an EXISTS per registered worker), which requeues the jobs
-of workers whose heartbeat expired and moves the jobs routed to them to intake: a job waits
-on a dead worker at most one heartbeat TTL and one beat.
+``keys.worker_heartbeat(name)`` alive from a thread that does nothing else (a SET every
+ttl/6, so neither a long chunk nor a slow Redis's round trips of the rest delay it). A second
+thread, as often, registers again (restoring a Redis that lost its data), retries the writes
+Redis refused (``on_beat``) and runs the reaper (`jobs.reaper.reap`: two round trips when no
+worker died, SMEMBERS and an EXISTS per registered worker), which requeues the jobs of
+workers whose heartbeat expired and moves the jobs routed to them to intake: a job waits on
+a dead worker at most one heartbeat TTL and one interval.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Heartbeat:
         models: loaded models by registry name.
         ttl_s: the worker counts as dead this long after its last beat (>= 1).
         result_ttl_s: lifetime of the records of jobs the reaper fails.
-        on_beat: called after every beat from the beat thread (retries of writes that
+        on_beat: called every interval from the maintenance thread (retries of writes that
             Redis refused earlier); its errors are logged, never raised.
         publish_tokenizers: publish the models' tokenizers (off for a queue no other
             process reads, where building the blob would only add to start-up).
@@ -56,7 +58,7 @@ class Heartbeat:
         self.publish_tokenizers = publish_tokenizers
         self._tokenizer_blobs: dict[str, bytes] = {}  # by model name, built once
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def register_models(self) -> None:
         """Advertise the models (vocab, context) so clients can validate submits, and which
@@ -104,21 +106,34 @@ class Heartbeat:
                         len(blob), error)
             return False
 
-    def beat(self) -> None:
-        self.connection.set(keys.worker_heartbeat(self.name), now(), ex=self.ttl_s)
+    def beat(self, connection=None) -> None:
+        """Refresh the heartbeat key (through `connection`, default the worker's). Under
+        ``maxmemory`` (the SET refused) its TTL is extended instead (EXPIRE is never
+        refused), so a live worker is not reaped."""
+        connection = connection or self.connection
+        key = keys.worker_heartbeat(self.name)
+        try:
+            connection.set(key, now(), ex=self.ttl_s)
+        except ResponseError as error:
+            if not refused_write(error) or not connection.expire(key, self.ttl_s):
+                raise
 
     def start(self) -> None:
-        """Start the beat thread (a daemon)."""
+        """Start the beat thread and the maintenance thread (daemons)."""
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="prefillq-heartbeat",
-                                        daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._beat_loop, name="prefillq-heartbeat", daemon=True),
+            threading.Thread(target=self._maintain_loop, name="prefillq-maintenance",
+                             daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, join_s: float = 1.0) -> None:
-        """Stop the beat thread, waiting up to `join_s` for a beat in progress."""
+        """Stop both threads, waiting up to `join_s` for each one's work in progress."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=join_s)
+        for thread in self._threads:
+            thread.join(timeout=join_s)
 
     def deregister(self) -> None:
         """Remove the heartbeat key, the models set and the worker from ``keys.WORKERS``."""
@@ -126,15 +141,40 @@ class Heartbeat:
         self.connection.delete(keys.worker_models(self.name))
         self.connection.srem(keys.WORKERS, self.name)
 
-    def _loop(self) -> None:
-        # The key outlives several missed beats; dead workers are looked for every beat.
-        interval = self.ttl_s / 6
-        while not self._stop.wait(interval):
+    def _beat_loop(self) -> None:
+        # The key outlives several missed beats; one SET each, nothing else on this thread,
+        # on a connection of its own (a new one costs several round trips).
+        beats = own_connection(self.connection)
+        while True:  # the first beat at once: it opens the connection
+            try:
+                self.beat(beats)
+            except Exception as error:  # a Redis outage must not kill the beat thread
+                log.warning("heartbeat failed (%s); retrying", error,
+                            exc_info=not refused_write(error))
+            if self._stop.wait(self.ttl_s / 6):
+                break
+        if beats is not self.connection:
+            beats.close()
+
+    def _maintain_loop(self) -> None:
+        # Dead workers are looked for as often as the worker beats.
+        while not self._stop.wait(self.ttl_s / 6):
             try:
                 self.register_models()  # idempotent; restores a Redis that lost its data
                 if self.on_beat is not None:
                     self.on_beat()
                 reap(self.connection, result_ttl_s=self.result_ttl_s)
-            except Exception as error:  # a Redis outage must not kill the beat thread
-                log.warning("heartbeat or reap failed (%s); retrying", error,
+            except Exception as error:  # a Redis outage must not kill the thread
+                log.warning("registration or reap failed (%s); retrying", error,
                             exc_info=not refused_write(error))
+
+
+def own_connection(connection):
+    """A client of `connection`'s server on a pool of its own, with the same options (the
+    retry policy included), or `connection` itself where its pool cannot be copied."""
+    pool = getattr(connection, "connection_pool", None)
+    try:
+        copy = type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
+        return type(connection)(connection_pool=copy)
+    except Exception:  # a client of another kind: share it
+        return connection

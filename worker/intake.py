@@ -24,9 +24,10 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.utils import get_version
 
-from jobs import keys, stats
+from jobs import keys, protocol, stats
 from jobs.defaults import MAX_ERROR_CHARS
-from jobs.errors import CorruptJob
+from jobs.errors import CorruptJob, UnknownModel
+from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord
 from jobs.schema import now
 from jobs.scripts import Scripts
@@ -63,14 +64,14 @@ class GuardedQueue(Queue):
             if popped is None:
                 return None
             queue_key = popped[0].decode() if isinstance(popped[0], bytes) else popped[0]
-            job = _fetch(connection, queue_key, popped[1], job_class, serializer)
+            job = fetch_or_drop(connection, queue_key, popped[1], job_class, serializer)
             if job is not None:
                 return job, cls.from_queue_key(queue_key, connection=connection,
                                                job_class=job_class, serializer=serializer,
                                                death_penalty_class=death_penalty_class)
 
 
-def _fetch(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):
+def fetch_or_drop(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):
     """The RQ job `raw_id` popped from `queue_key`, or None (dropped, logged) when it is
     junk: not UTF-8, no such RQ job, or a hash that does not decode."""
     try:
@@ -130,3 +131,18 @@ def refuse(connection, scripts: Scripts, job_id: str, error: CorruptJob,
             stats.record_terminal(pipe, ended)
             pipe.execute(raise_on_error=False)  # best effort: the failure has landed
     return outcome
+
+
+def not_served(connection, record: JobRecord) -> UnknownModel | None:
+    """For a job of a model this worker does not serve (routed by its session, or written
+    straight into Redis): back to its model's intake when some worker registered that model
+    (None), else the ``UnknownModel`` to fail it with."""
+    registered = protocol.models_of(connection.hgetall(keys.MODELS))
+    if record.model in registered:
+        log.warning("job %s wants model %r, not served here; to its intake",
+                    record.job_id, record.model)
+        requeue_to_intake(connection, record.job_id)
+        return None
+    error = protocol.unknown_model(record.model, registered)
+    log.error("job %s: %s", record.job_id, str(error)[:200])
+    return error

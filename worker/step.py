@@ -3,18 +3,15 @@
 A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
 (`Stepper.admit`): its record is decoded (`worker.intake.read_record`: one that does not
 decode fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, its ids
-validated (`worker.prepare`, `jobs.requests`) and planned,
-its cache allocated, and it is taken atomically (``queued -> prefilling``,
-`jobs.scripts.START`; the chunk plan is recorded on the job at its first start and reused by
-every later start, so chunk boundaries do not depend on the worker); then its first chunk
-runs, and the chunk of the resident job whose turn is next is launched on the device
-(`Stepper.launch_next`) so RQ's bookkeeping of the execution overlaps it. Its later chunks
-run in the worker's own round-robin loop (`Stepper.advance_next`), one chunk of one
-resident job per call. After every chunk one round trip
-(`worker.roundtrip`) records the cursor or publishes the final logits (one fenced script;
-canceled wins), counts the chunk (`jobs.stats`) and reads the other resident jobs' cancel
-flags and whether intake holds a job to admit. A job's end is counted with the SREM that
-forgets it.
+validated (`worker.prepare`, `jobs.requests`) and planned, its cache allocated, and it is
+taken atomically (``queued -> prefilling``, `jobs.scripts.START`; the chunk plan is
+recorded at its first start and reused by every later start); then its first chunk runs,
+and the next resident job's chunk is launched on the device (`Stepper.launch_next`) so
+RQ's bookkeeping overlaps it. Later chunks run in the worker's round-robin loop
+(`Stepper.advance_next`), one chunk of one resident job per call. After every chunk one
+round trip (`worker.roundtrip`) records the cursor or publishes the logits (one fenced
+script; canceled wins), counts the chunk (`jobs.stats`), and reads the other jobs' cancel
+flags and whether intake holds a job.
 
 Every transition is fenced on (worker, attempt) by the scripts in `jobs/scripts.py`. A write
 Redis refuses (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``,
@@ -30,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jobs import keys, protocol, stats
+from jobs import keys, stats
 from jobs.defaults import MAX_ERROR_CHARS
 from jobs.limits import Limits
 from jobs.queues import requeue_to_intake
@@ -44,7 +41,8 @@ from .active import ActiveJob, prompt_logprobs_blob, result_of
 from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
-from .intake import read_record
+from .faults import FaultPlan
+from .intake import not_served, read_record
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
 from .roundtrip import Probe, Reply, run_script
@@ -71,22 +69,24 @@ class Stepper:
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
         limits: what a job may ask for, checked again at its start (`worker.prepare`).
+        faults: the test-only fault plan (`worker.faults`); None in production.
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  admission: Admission, admit_from: Callable[[], list[str]], *,
                  chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None, limits: Limits | None = None):
+                 checkpointing: Checkpointing | None = None, limits: Limits | None = None,
+                 faults: FaultPlan | None = None):
         self.connection, self.name, self.models = connection, name, models
-        self.sessions, self.checkpointing = sessions, checkpointing
+        self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
         self.admission, self.admit_from = admission, admit_from
         self.chunk_tokens, self.limits = chunk_tokens, limits or Limits()
         self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
         self.scripts = Scripts(connection)
         self.active: dict[str, ActiveJob] = admission.active
         self.parked = ParkedWrites()  # transitions Redis refused, retried by `settle`
-        self.intake_waiting = True  # as of the last round trip: a queue to admit from is not empty
+        self.intake_waiting = True  # as of the last round trip: a queue to admit from holds one
 
     # -- the chunk step -----------------------------------------------------------------
 
@@ -172,9 +172,14 @@ class Stepper:
         record = read_record(self.connection, self.scripts, job_id, self.result_ttl_s)
         if record is None:
             return None
+        if record.state != JobState.QUEUED:  # a stray execution (the reaper's, a re-enqueue)
+            log.info("job %s is %s; not starting it", job_id, record.state.value)
+            return None
         loaded = self.models.get(record.model)  # by name only: nothing is loaded for a job
-        if loaded is None:
-            self._not_served(record)
+        if loaded is None:  # back to its model's intake, or failed with UnknownModel
+            error = not_served(self.connection, record)
+            if error is not None:
+                self._take(record, None, Prepared(None, (type(error).__name__, str(error))))
             return None
         prepared = prepare(loaded, record, chunk_tokens=self.chunk_tokens,
                            sessions=self.sessions, checkpointing=self.checkpointing,
@@ -183,19 +188,6 @@ class Stepper:
         if active is None and prepared.slot is not None:
             self.sessions.keep(record.session, loaded.name, prepared.slot)
         return active
-
-    def _not_served(self, record: JobRecord) -> None:
-        """A job of a model not served here (routed by its session, or written into Redis):
-        to its model's intake if any worker registered it, else ``UnknownModel``."""
-        registered = protocol.models_of(self.connection.hgetall(keys.MODELS))
-        if record.model in registered:
-            log.warning("job %s wants model %r, not served here; to its intake",
-                        record.job_id, record.model)
-            requeue_to_intake(self.connection, record.job_id)
-            return
-        error = protocol.unknown_model(record.model, registered)
-        log.error("job %s: %s", record.job_id, str(error)[:200])
-        self._take(record, None, Prepared(None, (type(error).__name__, str(error))))
 
     def _take(self, record: JobRecord, loaded: LoadedModel | None, prepared: Prepared
               ) -> ActiveJob | None:
@@ -210,6 +202,9 @@ class Stepper:
             size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cursor,
                     prefill.cached_tokens, prefill.reuse,
                     "" if prefill.resumed_from is None else prefill.resumed_from]
+        if self.faults is not None:
+            self.faults.pause("before_start", job_id, len(prefill.token_ids) if prefill else 0,
+                              record.attempts + 1)
         outcome, attempt = self.scripts.start(
             keys=[keys.job(job_id), keys.events(job_id)],
             args=[self.name, now(), uuid.uuid4().hex, plan, *size],
@@ -240,6 +235,8 @@ class Stepper:
             slot=prepared.slot,
             checkpoints=prepared.checkpoints or self._checkpoints_for(record, prepared),
         )
+        if self.faults is not None:
+            self.faults.install(active)
         self.active[record.job_id] = active
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
         if active.session is not None:  # before its publish: the next turn is routed here
@@ -285,6 +282,9 @@ class Stepper:
             full = packb(np.asarray(logits, dtype="<f4").tobytes())
         args = [*self._fence_args(active), packb(result_of(active, logits, prefill_s)),
                 full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_blob(p)]
+        if self.faults is not None:
+            self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
+                              attempt=active.attempt)
         reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)

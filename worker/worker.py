@@ -31,7 +31,6 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
-from jobs import keys
 from jobs.client import redacted
 from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
@@ -42,7 +41,7 @@ from jobs.defaults import (
 )
 from jobs.errors import JobRefused
 from jobs.limits import Limits
-from jobs.queues import ChunkJob, move_to_intake, refusal
+from jobs.queues import ChunkJob, intake_queue, move_to_intake, refusal, sticky_queue
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
@@ -52,10 +51,11 @@ from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from .checkpointing import Checkpointing
 from .checkpoints import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
+from .faults import FaultPlan
 from .heartbeat import Heartbeat
-from .intake import GuardedQueue
 from .sessions import SessionSlots
 from .step import Stepper
+from .taking import TakingQueue, taken
 
 log = logging.getLogger("prefillq.worker")
 
@@ -125,12 +125,12 @@ class PrefillWorker(SimpleWorker):
         limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
             whatever client enqueued it; a job over them fails with the typed error.
     Raises:
-        ValueError: a bad `checkpoint_store` or `checkpoint_every`.
+        ValueError: a bad `checkpoint_store` or `checkpoint_every`, or a ``$PREFILLQ_FAULTS``
+            that does not parse (`worker.faults`: fault injection, for tests only).
     """
 
     death_penalty_class = NoDeathPenalty
     job_class = ChunkJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
-    queue_class = GuardedQueue  # junk ids in our queues are dropped, never fatal
 
     def __init__(
         self,
@@ -157,10 +157,12 @@ class PrefillWorker(SimpleWorker):
         name = name or default_worker_name()
         self.models = models
         self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
-        # by name: RQ builds them as its `queue_class`, the guarded one
-        super().__init__([keys.sticky_queue(name), *map(keys.intake_queue, models)],
-                         connection=connection, name=name, serializer=MsgpackSerializer)
-        self.sticky = self.queues[0]
+        self.sticky = sticky_queue(connection, name)
+        intake = [intake_queue(connection, m) for m in models]
+        super().__init__([self.sticky, *intake], connection=connection, name=name,
+                         serializer=MsgpackSerializer)
+        # its pops are recorded for the reaper, and junk ids among them dropped
+        self.queue_class = TakingQueue.for_worker(name, connection)
         # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.admission = Admission(connection, list(models), {}, max_active=max_active,
                                    kv_budget_bytes=kv_budget_bytes,
@@ -177,7 +179,8 @@ class PrefillWorker(SimpleWorker):
         self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
                                chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
                                logits_ttl_s=logits_ttl_s, sessions=self.sessions,
-                               checkpointing=self.checkpointing, limits=limits or Limits())
+                               checkpointing=self.checkpointing, limits=limits or Limits(),
+                               faults=FaultPlan.from_env())
         self._rq_beat_at = 0.0
         self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
@@ -186,7 +189,7 @@ class PrefillWorker(SimpleWorker):
         self._stop_signal = "SIGTERM"
 
     def _on_beat(self) -> None:
-        # on the heartbeat thread: parked writes, and expired checkpoint files once a minute
+        # on the maintenance thread: parked writes, and expired checkpoint files once a minute
         self.stepper.settle()
         if self.checkpointing is not None and time.monotonic() >= self._swept_at + 60:
             self._swept_at = time.monotonic()
@@ -289,6 +292,12 @@ class PrefillWorker(SimpleWorker):
             self.run_maintenance_tasks()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            self._execute(job, queue)
+        finally:  # the job is held, put back or not runnable: no longer the reaper's
+            taken(self.connection, self.name, job.id)
+
+    def _execute(self, job: Job, queue: Queue) -> None:
         reason = refusal(job)
         if reason is not None:
             self.refuse(job, queue, reason)

@@ -5,6 +5,7 @@ interrupted, and a 2 s heartbeat TTL, so dead workers are found quickly; and the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -28,9 +29,11 @@ MODULE_MAIN = [sys.executable, "-m", "worker"]
 
 
 class WorkerProcess:
-    """``prefillq worker`` as a child process; its log goes to a file."""
+    """``prefillq worker`` as a child process; its log goes to a file. `env` adds to the
+    environment it inherits (e.g. ``PREFILLQ_FAULTS``, `worker.faults`)."""
 
-    def __init__(self, url: str, name: str, tmp_path, *extra: str):
+    def __init__(self, url: str, name: str, tmp_path, *extra: str,
+                 env: dict[str, str] | None = None):
         self.name, self.url = name, url
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")
@@ -38,6 +41,7 @@ class WorkerProcess:
             [*MODULE_MAIN, "worker", "--redis", url, "--name", name,
              "--model", MODEL, "--chunk-tokens", "4", "--heartbeat-ttl", "2", *extra],
             stdout=self.log, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
         wait_for(lambda: redis.Redis.from_url(url).exists(keys.worker_heartbeat(name)),
                  60, f"worker {name} did not register", self)

@@ -3,19 +3,25 @@
 Against a real redis-server of the test's own (its ``maxmemory`` is changed). A job whose
 publish, checkpoint or hand-back is refused fails with ``RedisOutOfMemory`` once that small
 write can land; meanwhile the worker waits instead of quitting, and serves the next job
-once memory frees.
+once memory frees. A refused KV checkpoint costs only the checkpoint. The client's writes:
+a refused submit or cancel raises redis-py's ``OutOfMemoryError`` and writes nothing (a
+submit's idempotency key is free again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 import redis
 
-from jobs import JobFailed, JobState, PrefillClient, keys
+from jobs import AsyncPrefillClient, JobFailed, JobState, PrefillClient, keys
+from jobs.queues import intake_queue
 from tests.conftest import RedisServer
+from worker.connection import refused_write as refused_error
+from worker.redis_server import calls_since, command_calls
 from worker.worker import PrefillWorker
 
 from .helpers import MODEL, assert_logits_match, ids
@@ -103,3 +109,131 @@ def test_a_refused_hand_back_is_retried_until_it_lands(server, tiny):
     worker.work(burst=True)
     assert client.status(job).attempts == 2
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
+
+
+# -- the client's writes -------------------------------------------------------------------
+
+
+def job_keys(conn: redis.Redis) -> list[bytes]:
+    return conn.keys("prefillq:{*}:job")
+
+
+def test_a_refused_submit_raises_out_of_memory_and_writes_nothing(server, tiny):
+    admin = redis.Redis.from_url(server.url)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                           chunk_tokens=16)
+    worker.register_models()
+    client = PrefillClient(redis.Redis.from_url(server.url))
+    before = (job_keys(admin), len(worker.sticky), admin.hgetall(keys.STATS))
+    admin.config_set("maxmemory", 1)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.submit(tokens=ids(20, 4), model=MODEL)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.submit(tokens=ids(20, 4), model=MODEL, idempotency_key="k")
+    admin.config_set("maxmemory", 0)
+    assert (job_keys(admin), len(worker.sticky), admin.hgetall(keys.STATS)) == before
+    assert intake_queue(admin, MODEL).count == 0
+    assert admin.exists(keys.idempotency("k")) == 0
+
+    token_ids = ids(20, 4)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3, idempotency_key="k")
+    worker.work(burst=True)  # the worker served on
+    assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
+
+
+async def submit_async(url: str, **kwargs) -> str:
+    client = AsyncPrefillClient.from_url(url)
+    try:
+        return await client.submit(**kwargs)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_submit_whose_record_is_refused_gives_its_idempotency_key_back(server, tiny, kind):
+    # Under maxmemory the claim (a SET of ~100 bytes) can land just before memory runs out
+    # and the record is refused; an ACL without HSET refuses the record every time.
+    admin = redis.Redis.from_url(server.url)
+    admin.acl_setuser("no-hset", enabled=True, nopass=True, keys=["*"], channels=["*"],
+                      commands=["+@all", "-hset"])
+    host_port = server.url.removeprefix("redis://")
+    limited = f"redis://no-hset:@{host_port}"
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                           chunk_tokens=16)
+    worker.register_models()
+    token_ids = ids(20, 5)
+    kwargs = dict(tokens=token_ids, model=MODEL, top_k=3, idempotency_key="retry-me")
+
+    def submit(url: str) -> str:
+        if kind == "sync":
+            return PrefillClient.from_url(url).submit(**kwargs)
+        return asyncio.run(submit_async(url, **kwargs))
+
+    before = command_calls(admin)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        submit(limited)
+    assert calls_since(admin, before).get("set") == 1, "the claim did not land"
+    assert job_keys(admin) == []
+    assert admin.exists(keys.idempotency("retry-me")) == 0
+
+    job = submit(server.url)  # the caller's retry: a real job, not the refused one's id
+    worker.work(burst=True)
+    assert_logits_match(PrefillClient.from_url(server.url).result(job, timeout=0), tiny,
+                        token_ids)
+
+
+def test_a_refused_cancel_raises_and_changes_nothing(server, tiny):
+    admin = redis.Redis.from_url(server.url)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                           chunk_tokens=16)
+    worker.register_models()
+    client = PrefillClient(redis.Redis.from_url(server.url))
+    running = client.submit(tokens=ids(100, 6), model=MODEL, top_k=3)
+    worker.advance(running)  # in flight: its first chunk ran
+    waiting = client.submit(tokens=ids(20, 7), model=MODEL, top_k=3)
+
+    admin.config_set("maxmemory", 1)
+    for job in (waiting, running):
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.cancel(job)
+    assert client.status(waiting).state == JobState.QUEUED
+    assert not client.status(running).cancel_requested
+    assert admin.exists(keys.cancel(running)) == 0
+    admin.config_set("maxmemory", 0)
+
+    assert client.cancel(waiting) and client.cancel(running)
+    while worker.active:
+        worker.stepper.advance_next()
+    assert client.status(waiting).state == JobState.CANCELED
+    assert client.status(running).state == JobState.CANCELED
+
+
+# -- KV checkpoints to a store that refuses -------------------------------------------------
+
+
+def test_refused_checkpoint_writes_leave_the_job_exact_and_the_worker_serving(server, tiny,
+                                                                              tmp_path):
+    (tmp_path / "store").mkdir()
+    with RedisServer(tmp_path / "store") as store:
+        store_admin = redis.Redis.from_url(store.url)
+        worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
+                               chunk_tokens=16, checkpoint_store=store.url,
+                               checkpoint_every="1")
+        worker.register_models()
+        client = PrefillClient(redis.Redis.from_url(server.url))
+        store_admin.config_set("maxmemory", 1)
+        refused_ids = ids(80, 8)
+        refused = client.submit(tokens=refused_ids, model=MODEL, top_k=5, logits="full")
+        worker.work(burst=True)
+        writer = worker.checkpointing.writer
+        assert writer.failed >= 1 and writer.written == 0
+        assert refused_error(writer.last_error)
+        assert client.redis.hget(keys.job(refused), "checkpoint") is None
+        assert_logits_match(client.result(refused, timeout=0), tiny, refused_ids)
+
+        store_admin.config_set("maxmemory", 0)
+        later_ids = ids(80, 9)
+        later = client.submit(tokens=later_ids, model=MODEL, top_k=5)
+        worker.work(burst=True)
+        assert writer.written >= 1
+        assert_logits_match(client.result(later, timeout=0), tiny, later_ids)

@@ -1,0 +1,105 @@
+"""Dequeuing that a worker's death cannot lose a job to.
+
+RQ pops a job's id off its queue list before the worker runs it, and a prefillq job is
+taken (``queued -> prefilling``, `jobs.scripts.START`) only after it was tokenized, planned
+and its cache allocated: a worker killed in between would leave the job ``queued`` in its
+record and in no queue, forever. So every pop is recorded in the worker's taking set
+(`jobs.keys.worker_taking`) until the job's one RQ execution returns (by then the job is
+held, in ``keys.worker_jobs``, or was put back or skipped), and the reaper re-enqueues the
+jobs a dead worker was taking (`jobs.reaper`).
+
+A queue that holds a job is popped and recorded in one step (`jobs.scripts.TAKE`; Redis
+lets a script that has popped go on writing under ``maxmemory``). A worker with nothing to
+pop waits in RQ's blocking pop (BLPOP) and records what it brings at once: only a death in
+that one round trip's gap can still lose the job (or, under ``maxmemory``, where the record
+is refused, a death before memory frees: the job's refused START parks its re-enqueue).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import ClassVar
+
+from redis import Redis
+from redis.commands.core import Script
+from rq import Queue
+from rq.exceptions import DequeueTimeout
+from rq.job import Job
+from rq.utils import as_text
+
+from jobs import keys
+from jobs.scripts import TAKE
+
+from .connection import refused_write
+from .intake import fetch_or_drop
+
+log = logging.getLogger("prefillq.worker")
+
+
+class TakingQueue(Queue):
+    """RQ's `Queue` whose `dequeue_any` records each job it pops in one worker's taking set;
+    `for_worker` makes the subclass bound to a worker (RQ calls ``dequeue_any`` on the class).
+    """
+
+    taking_key: ClassVar[str] = ""
+    take_script: ClassVar[Script | None] = None
+
+    @classmethod
+    def for_worker(cls, name: str, connection: Redis) -> type[TakingQueue]:
+        """The subclass that records worker `name`'s pops, taking through `connection`."""
+        return type(cls.__name__, (cls,), {"taking_key": keys.worker_taking(name),
+                                           "take_script": connection.register_script(TAKE)})
+
+    @classmethod
+    def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Redis,
+                    job_class: type[Job] | None = None, serializer=None,
+                    death_penalty_class=None) -> tuple[Job, Queue] | None:
+        """RQ's `Queue.dequeue_any` (the first job of `queues`, in order; `timeout` None
+        looks once, else blocks up to `timeout` seconds), each pop recorded.
+
+        A popped id that is not UTF-8, names no RQ job or whose RQ hash does not decode is
+        logged and dropped (`worker.intake.fetch_or_drop`), and the next one popped.
+
+        Raises:
+            DequeueTimeout: nothing came within `timeout` seconds.
+        """
+        queue_keys = [q.key for q in queues]
+        job_cls = job_class or cls.job_class
+        while True:
+            popped = cls._pop(connection, queue_keys, timeout)
+            if popped is None:
+                return None
+            queue_key, raw_id = as_text(popped[0]), popped[1]
+            job = fetch_or_drop(connection, queue_key, raw_id, job_cls, serializer)
+            if job is None:  # junk, or expired: nothing to run, nothing for the reaper
+                connection.srem(cls.taking_key, raw_id)
+                continue
+            return job, cls.from_queue_key(queue_key, connection=connection, job_class=job_cls,
+                                           serializer=serializer,
+                                           death_penalty_class=death_penalty_class)
+
+    @classmethod
+    def _pop(cls, connection: Redis, queue_keys: list[str], timeout: int | None):
+        if not queue_keys:
+            return None
+        popped = cls.take_script(keys=[cls.taking_key, *queue_keys], client=connection)
+        if popped or timeout is None:
+            return popped or None
+        if timeout == 0:
+            raise ValueError("RQ does not support indefinite timeouts")
+        popped = connection.blpop(queue_keys, timeout)
+        if popped is None:
+            raise DequeueTimeout(timeout, queue_keys)
+        try:
+            connection.sadd(cls.taking_key, popped[1])
+        except Exception as error:  # maxmemory: the job's START is refused too, and parked
+            if not refused_write(error):
+                raise
+            log.warning("Redis refused recording the pop of %s: %s", as_text(popped[1]), error)
+        return popped
+
+
+def taken(connection: Redis, worker: str, rq_job_id: str) -> None:
+    """The execution of `rq_job_id` on `worker` returned: forget its pop."""
+    connection.srem(keys.worker_taking(worker), rq_job_id)
