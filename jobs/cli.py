@@ -98,10 +98,8 @@ def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dic
     if len(chosen) > 1:
         raise CLIError(f"give one prompt source, got {', '.join(chosen)}")
     if "tokens_file" in chosen:
-        tokens = _json_file("--tokens-file", chosen["tokens_file"], "integers")
-        if not all(isinstance(t, int) for t in tokens):
-            raise CLIError("--tokens-file must hold a JSON array of integers")
-        return {"tokens": tokens}
+        # each id is checked by `submit`, whose error names the first bad one
+        return {"tokens": _json_file("--tokens-file", chosen["tokens_file"], "integers")}
     if "messages_file" in chosen:
         messages = _json_file("--messages-file", chosen["messages_file"],
                               '{"role": ..., "content": ...} objects')
@@ -109,9 +107,12 @@ def prompt_input(args: argparse.Namespace, positional: str | None = None) -> dic
                 "add_generation_prompt": not getattr(args, "no_generation_prompt", False)}
     if "prompt_file" in chosen:
         try:
-            return {"prompt": Path(chosen["prompt_file"]).read_text()}
+            return {"prompt": Path(chosen["prompt_file"]).read_text(encoding="utf-8")}
         except OSError as e:
             raise CLIError(f"--prompt-file: {e}") from e
+        except UnicodeDecodeError as e:
+            raise CLIError(f"--prompt-file {chosen['prompt_file']} is not UTF-8 text: byte "
+                           f"{e.start} ({e.object[e.start]:#04x}) {e.reason}") from e
     text = chosen.get("text", chosen.get("prompt"))
     return {"prompt": SAMPLE_PROMPT if text is None else text}
 
@@ -124,9 +125,11 @@ def _json_file(flag: str, path: str, items: str) -> list:
     """
     want = f"{flag} must hold a JSON array of {items}"
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise CLIError(f"{flag}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{flag} {path} is not UTF-8 text: byte {e.start} {e.reason}") from e
     except json.JSONDecodeError as e:
         raise CLIError(f"{want}: {e}") from e
     if not isinstance(value, list):
@@ -204,6 +207,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{status.job_id}: {status.state.value} {status.cursor}/{total} tokens, "
               f"{status.chunks_done} chunk{'' if status.chunks_done == 1 else 's'}, "
               f"attempt {status.attempts}, {reused(status.to_dict())}"
+              + ("" if status.resumed_from is None
+                 else f", resumed from a KV checkpoint at {status.resumed_from}")
               + (" (cancel requested)" if status.cancel_requested else ""))
     return 0
 

@@ -185,3 +185,19 @@ def test_a_corrupt_record_and_undecodable_input_are_one_line_errors(redis_server
         proc = subprocess.run([sys.executable.encode(), b"-c", code.encode(), *args],
                               capture_output=True, text=True, timeout=60)
         assert message in one_line_error(proc)
+
+
+def test_file_inputs_name_what_is_wrong_in_one_line(tmp_path):
+    floats, latin = tmp_path / "ids.json", tmp_path / "prompt.txt"
+    floats.write_text("[2, 1.5]")
+    latin.write_bytes(b"caf\xe9")
+    proc = light_prefillq("submit", "--redis", "redis://127.0.0.1:1/0", "--tokens-file",
+                          str(floats))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "prefillq: error: tokens[1] must be an integer, got float 1.5"]
+    proc = light_prefillq("submit", "--redis", "redis://127.0.0.1:1/0", "--prompt-file",
+                          str(latin))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"prefillq: error: --prompt-file {latin} is not UTF-8 "
+                                   "text: byte 3 (0xe9) unexpected end of data")

@@ -126,7 +126,7 @@ def add_worker(sub) -> None:
                         help="seconds a terminal job's record lives (default: %(default)s)")
     worker.add_argument("--logits-ttl", type=int, default=DEFAULT_LOGITS_TTL_S,
                         help="seconds full logits live (default: %(default)s)")
-    worker.add_argument("--heartbeat-ttl", type=int, default=DEFAULT_HEARTBEAT_TTL_S,
+    worker.add_argument("--heartbeat-ttl", type=positive_int, default=DEFAULT_HEARTBEAT_TTL_S,
                         help="seconds without a heartbeat before a worker counts as dead "
                              "(default: %(default)s)")
     worker.set_defaults(func=cmd_worker)
