@@ -47,12 +47,13 @@ def _inputs(H: int, KVH: int, L: int, position: int, window: int | None, D: int 
     return q, k, v
 
 
-def check(rec: Recorder) -> bool:
+def check(rec: Recorder, warps: int = 4) -> bool:
     ok = True
     for H, KVH, L, position, window in CHECKS:
         q, k, v = _inputs(H, KVH, L, position, window)
         scale = 256 ** -0.5
-        ours = flash_attention(q, k, v, scale, position, window).astype(mx.float32)
+        ours = flash_attention(q, k, v, scale, position, window,
+                               warps=warps).astype(mx.float32)
         grouped = [x.astype(mx.float32) for x in (q, k, v)]
         if KVH != H:
             grouped[1] = mx.repeat(grouped[1], H // KVH, axis=1)
@@ -62,7 +63,7 @@ def check(rec: Recorder) -> bool:
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("flash_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
             heads=H, kv_heads=KVH, queries=L, position=position, window=window,
-            splits=_splits(H, L, k.shape[2], window))
+            warps=warps, splits=_splits(H, L, k.shape[2], window))
     return ok
 
 
@@ -85,18 +86,20 @@ def _seconds(fn, repeats: int = 5) -> float:
     return best
 
 
-def micro(rec: Recorder, block_ns=(32, 64)) -> None:
+def micro(rec: Recorder, shapes=((32, 4), (64, 4), (64, 8))) -> None:
+    """`shapes`: the kernel's (block_n, warps) to time."""
     for L in (8192, 32_768):
-        _micro_at(rec, L, block_ns)
+        _micro_at(rec, L, shapes)
 
 
-def _micro_at(rec: Recorder, L: int, block_ns) -> None:
+def _micro_at(rec: Recorder, L: int, shapes) -> None:
     q, k, v = _inputs(4, 1, L, 0, None)
     flops = 2 * 2 * (L * L / 2) * 256 * 4
-    for block_n in block_ns:
-        s = _seconds(lambda b=block_n: flash_attention(q, k, v, 256 ** -0.5, 0, None, b))
+    for block_n, warps in shapes:
+        s = _seconds(lambda b=block_n, w=warps: flash_attention(
+            q, k, v, 256 ** -0.5, 0, None, b, w))
         rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
-            block_n=block_n, queries=L, seconds=round(s, 5))
+            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5))
     s = _seconds(lambda: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=256 ** -0.5, mask="causal"))
     rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="mlx sdpa", queries=L,
@@ -110,19 +113,23 @@ def _micro_at(rec: Recorder, L: int, block_ns) -> None:
     tk = torch.randn(1, 1, L, 256, device="cuda", dtype=torch.bfloat16)
     tv = torch.randn(1, 1, L, 256, device="cuda", dtype=torch.bfloat16)
 
-    def run():
-        return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-
-    run()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
+    # with enable_gqa, and with the KV head expanded to every query head (flash's own path)
+    tk4, tv4 = tk.expand(1, 4, L, 256).contiguous(), tv.expand(1, 4, L, 256).contiguous()
+    for impl, run in (
+            ("torch sdpa enable_gqa", lambda: F.scaled_dot_product_attention(
+                tq, tk, tv, is_causal=True, enable_gqa=True)),
+            ("torch sdpa expanded kv", lambda: F.scaled_dot_product_attention(
+                tq, tk4, tv4, is_causal=True))):
         run()
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    rec("attention_tflops", flops / best / 1e12, "TFLOP/s", impl="torch sdpa",
-        queries=L, seconds=round(best, 5), torch=torch.__version__)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        rec("attention_tflops", flops / best / 1e12, "TFLOP/s", impl=impl, queries=L,
+            seconds=round(best, 5), torch=torch.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(True, {"date": datetime.date.today().isoformat(), "commit": git_commit(),
                           "device": str(mx.default_device()), "mlx": mx.__version__},
                    args.out)
-    ok = check(rec)
+    ok = check(rec) and check(rec, warps=8)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
         micro(rec)

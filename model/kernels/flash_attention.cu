@@ -11,9 +11,10 @@
 // (B, H, splits, L), its log-sum-exp (natural log; -inf where a row saw no key), which
 // flash_attention.py combines.
 // Template constants: D (head dim), BLOCK_N (keys per step), GROUP (query heads per KV
-// head), PAD (shared-memory row padding, bf16 elements).
+// head), PAD (shared-memory row padding, bf16 elements), WARPS (per block, 16 rows each).
 //
-// A block of 4 warps takes 64 consecutive queries of one head; each warp owns 16 rows.
+// A block of WARPS warps takes 16 * WARPS consecutive queries of one head; each warp owns
+// 16 rows.
 // K and V tiles arrive by cp.async (V while S is computed, the next K during P V), and
 // every mma operand comes from shared memory through ldmatrix (.trans for V).
 // Per step of BLOCK_N keys: S = Q K^T (16 x BLOCK_N per warp, in registers), the online
@@ -21,7 +22,6 @@
 // from S's registers as the A operand (the m16n8k16 C layout equals its A layout).
 // Key blocks wholly outside the causal range or the sliding window are never loaded.
 
-constexpr int WARPS = 4;
 constexpr int BLOCK_M = 16 * WARPS;
 constexpr int ROW = D + PAD;                 // shared row stride, bf16 elements
 constexpr int N_TILES = BLOCK_N / 8;         // S tiles of 8 keys

@@ -22,8 +22,9 @@ import mlx.core as mx
 
 SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
 HEAD_DIMS = (256,)
-QUERIES_PER_BLOCK = 64  # 4 warps of 16 rows (flash_attention.cu's BLOCK_M)
-THREADS = 128
+ROWS_PER_WARP = 16  # an mma tile's rows
+DEFAULT_WARPS = 4
+QUERIES_PER_BLOCK = ROWS_PER_WARP * DEFAULT_WARPS  # flash_attention.cu's BLOCK_M
 DEFAULT_BLOCK_N = 64
 PAD = 8  # bf16 elements of shared-memory row padding: rows 4 banks apart, no conflicts
 
@@ -37,7 +38,7 @@ TARGET_BLOCKS = 264
 # A split gets at least this many key blocks, so the combine's cost stays small.
 MIN_KEY_BLOCKS_PER_SPLIT = 4
 
-_kernels: dict[tuple[int, int, bool], object] = {}
+_kernels: dict[tuple[int, int, bool, int], object] = {}
 
 
 @cache
@@ -61,20 +62,22 @@ def supports(q: mx.array, keys: mx.array) -> bool:
             and q.shape[1] % keys.shape[1] == 0)
 
 
-def shared_bytes(head_dim: int, block_n: int) -> int:
+def shared_bytes(head_dim: int, block_n: int, warps: int = DEFAULT_WARPS) -> int:
     """Dynamic shared memory of one block: the Q tile and a K and a V tile, padded rows."""
-    return (QUERIES_PER_BLOCK + 2 * block_n) * (head_dim + PAD) * 2
+    return (ROWS_PER_WARP * warps + 2 * block_n) * (head_dim + PAD) * 2
 
 
-def _kernel(head_dim: int, block_n: int, split: bool):
-    key = (head_dim, block_n, split)
+def _kernel(head_dim: int, block_n: int, split: bool, warps: int):
+    key = (head_dim, block_n, split, warps)
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(
-            name=f"prefillq_flash_attention_d{head_dim}_n{block_n}{'_split' if split else ''}",
+            name=f"prefillq_flash_attention_d{head_dim}_n{block_n}_w{warps}"
+                 f"{'_split' if split else ''}",
             input_names=["q", "k", "v", "params", "scale"],
             output_names=["out", "lse"] if split else ["out"],
             source=SOURCE, header="#define PREFILLQ_SPLIT 1\n" if split else "",
-            ensure_row_contiguous=False, shared_memory=shared_bytes(head_dim, block_n))
+            ensure_row_contiguous=False,
+            shared_memory=shared_bytes(head_dim, block_n, warps))
     return _kernels[key]
 
 
@@ -86,8 +89,8 @@ def splits_for(q_blocks: int, key_blocks: int) -> int:
 
 
 def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-                    position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N
-                    ) -> mx.array:
+                    position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
+                    warps: int = DEFAULT_WARPS) -> mx.array:
     """Causal (optionally sliding-window) attention of a chunk, fused.
 
     Args:
@@ -100,6 +103,7 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         position: the chunk's first position.
         window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None.
         block_n: keys per step (a multiple of 16).
+        warps: warps per block, 16 queries each.
     Returns:
         bf16 ``(B, H, L, D)``, equal to `model.archs.gemma3.blocked_attention` within bf16
         rounding (`bench.gpu_attention` checks it).
@@ -111,21 +115,24 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                          f"groups; got {q.dtype} q {q.shape}, keys {keys.dtype} {keys.shape}")
     B, H, L, D = q.shape
     KVH, N = keys.shape[1], keys.shape[2]
-    q_blocks = -(-L // QUERIES_PER_BLOCK)
-    visible = min(N, window + QUERIES_PER_BLOCK) if window else N  # keys a block may see
+    rows = ROWS_PER_WARP * warps
+    q_blocks = -(-L // rows)
+    visible = min(N, window + rows) if window else N  # keys a block may see
     splits = splits_for(q_blocks * H * B, -(-visible // block_n))
     params = mx.array([position, position - (N - L), window or 0, L, N, splits],
                       dtype=mx.int32)
     inputs = [q, keys, values, params, mx.array([scale], dtype=mx.float32)]
-    template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD)]
-    grid = (q_blocks * THREADS, H, B * splits)
+    template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD),
+                ("WARPS", warps)]
+    threads = 32 * warps
+    grid = (q_blocks * threads, H, B * splits)
     if splits == 1:
-        (out,) = _kernel(D, block_n, False)(
-            inputs=inputs, template=template, grid=grid, threadgroup=(THREADS, 1, 1),
+        (out,) = _kernel(D, block_n, False, warps)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=[(B, H, L, D)], output_dtypes=[q.dtype])
         return out
-    parts, lse = _kernel(D, block_n, True)(
-        inputs=inputs, template=template, grid=grid, threadgroup=(THREADS, 1, 1),
+    parts, lse = _kernel(D, block_n, True, warps)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, splits, L, D), (B, H, splits, L)],
         output_dtypes=[mx.float32, mx.float32])
     # each split's output weighted by its share of the softmax's denominator
