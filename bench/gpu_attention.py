@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from model.archs.gemma3 import blocked_attention
-from model.kernels.flash_attention import available, flash_attention
+from model.kernels.flash_attention import available, flash_attention, grid_plan
 
 from .common import Recorder, git_commit, log, refuse_existing
 
@@ -63,15 +63,8 @@ def check(rec: Recorder, warps: int = 4) -> bool:
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("flash_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
             heads=H, kv_heads=KVH, queries=L, position=position, window=window,
-            warps=warps, splits=_splits(H, L, k.shape[2], window))
+            warps=warps, splits=grid_plan(1, H, L, k.shape[2], window, warps=warps)[1])
     return ok
-
-
-def _splits(H: int, L: int, N: int, window: int | None) -> int:
-    from model.kernels.flash_attention import DEFAULT_BLOCK_N, QUERIES_PER_BLOCK, splits_for
-
-    visible = min(N, window + QUERIES_PER_BLOCK) if window else N
-    return splits_for(-(-L // QUERIES_PER_BLOCK) * H, -(-visible // DEFAULT_BLOCK_N))
 
 
 def _seconds(fn, repeats: int = 5) -> float:

@@ -88,6 +88,16 @@ def splits_for(q_blocks: int, key_blocks: int) -> int:
     return max(1, min(want, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
 
 
+def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
+              warps: int = DEFAULT_WARPS) -> tuple[int, int]:
+    """``(query blocks per head, key splits)`` of `flash_attention` on `L` queries of `H`
+    heads (batch `B`) over `N` keys: a block sees at most ``window + rows`` keys."""
+    rows = ROWS_PER_WARP * warps
+    q_blocks = -(-L // rows)
+    visible = min(N, window + rows) if window else N
+    return q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n))
+
+
 def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                     position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
                     warps: int = DEFAULT_WARPS) -> mx.array:
@@ -115,10 +125,7 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                          f"groups; got {q.dtype} q {q.shape}, keys {keys.dtype} {keys.shape}")
     B, H, L, D = q.shape
     KVH, N = keys.shape[1], keys.shape[2]
-    rows = ROWS_PER_WARP * warps
-    q_blocks = -(-L // rows)
-    visible = min(N, window + rows) if window else N  # keys a block may see
-    splits = splits_for(q_blocks * H * B, -(-visible // block_n))
+    q_blocks, splits = grid_plan(B, H, L, N, window, block_n, warps)
     params = mx.array([position, position - (N - L), window or 0, L, N, splits],
                       dtype=mx.int32)
     inputs = [q, keys, values, params, mx.array([scale], dtype=mx.float32)]

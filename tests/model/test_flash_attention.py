@@ -43,3 +43,12 @@ def test_the_kernel_source_ships_with_the_package():
 
     source = files("model.kernels").joinpath("flash_attention.cu").read_text()
     assert source == fa.SOURCE and "mma.sync.aligned.m16n8k16" in source
+
+
+def test_the_grid_plan_counts_the_keys_a_block_may_see():
+    # a 2,048-token chunk of 4 heads after 6,144 keys: 32 query blocks, split 3 ways
+    assert fa.grid_plan(1, 4, 2048, 8192, None) == (32, 3)
+    # under a 512 window a block sees 576 keys (9 blocks of 64): at most 2 splits of 4+
+    assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 2)
+    # 8 warps: blocks of 128 queries
+    assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 5)
