@@ -73,8 +73,10 @@ async def create(request: Request,
     fields = submit_fields(await json_object(request))
     await require_live_worker(request, fields.get("model"))
     job_id = await client.submit(**fields)
-    state = (await client.status(job_id)).state  # an idempotent resubmit's job may have run
-    return JSONResponse({"job_id": job_id, "state": state.value}, status_code=202,
+    state = "queued"  # a new job is; an idempotent resubmit's may have run since
+    if fields.get("idempotency_key") is not None:
+        state = (await client.status(job_id)).state.value
+    return JSONResponse({"job_id": job_id, "state": state}, status_code=202,
                         headers={"Location": f"/v1/prefill/{job_id}"})
 
 
