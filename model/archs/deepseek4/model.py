@@ -28,12 +28,14 @@ from ...cache import window_mask
 from ...cache_state import CacheState
 from ...gguf.reader import GGUFFile
 from ...gguf.weights import load_gguf_weights
+from ...kernels import sparse_attention as fused
 from .cache import Deepseek4Cache, LayerCache
 from .compressor import Compressor
 from .indexer import Indexer
 from .layers import Param, hc_mixes, rope, rope_inv_freq, sinkhorn
 from .moe import MoE
 from .planning import ARCHITECTURE, OVERLAP_RATIO
+from .sparse import compressed_slots, gathered_attention, window_slots
 
 # Attention scores held at once per layer (elements): long chunks run in query blocks.
 SCORE_BUDGET = 1 << 27
@@ -161,6 +163,9 @@ def flash_args(**overrides) -> ModelArgs:
 
 
 class Attention(nn.Module):
+    # ratio-4 layers gather the indexer's top-k rows (False: dense attention under a mask)
+    gather_top_k = True
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.args = args
@@ -204,6 +209,30 @@ class Attention(nn.Module):
             sinks=self.attn_sinks.weight.astype(q.dtype),
         )
 
+    def _gathers(self, q: mx.array, keys: mx.array, n_rows: int) -> bool:
+        """Per-query key lists (`sparse`), not keys under a mask: on a CUDA GPU in bf16
+        (the fused kernel), and on ratio-4 layers whose top-k binds (`gather_top_k`)."""
+        if fused.applies(q, keys):
+            return True
+        return (self.gather_top_k and self.ratio == OVERLAP_RATIO
+                and n_rows > self.args.index_topk)
+
+    def _attend_listed(self, q, x, qr, kv, layer: LayerCache, position: int, n_prev: int,
+                       n_rows: int) -> mx.array:
+        """The chunk's queries ``(1, heads, L, hd)`` over their lists into `kv` ``(n_prev
+        + L + n_rows, hd)`` (window, then visible or top-k compressed rows): ``(L, heads,
+        hd)``."""
+        L = q.shape[2]
+        slots = [window_slots(L, n_prev, self.window)]
+        if self.ratio:
+            top = None
+            if self.ratio == OVERLAP_RATIO and n_rows > self.args.index_topk:
+                top = self.indexer.top_rows(x, qr, layer, position, n_rows, self._inv_freq)
+            slots.append(compressed_slots(position, L, n_prev + L, n_rows, self.ratio, top))
+        idx = mx.concatenate(slots, axis=1)
+        attend = fused.sparse_attention if fused.applies(q, kv) else gathered_attention
+        return attend(q, kv, idx, self.attn_sinks.weight, self.head_dim**-0.5)
+
     def _keys(self, x: mx.array, kv: mx.array, layer: LayerCache, position: int) -> tuple:
         """Write the chunk's rows `kv` ``(L, hd)`` into `layer`; return the keys it attends
         ``(1, 1, n_prev + L + n_rows, hd)`` (window rows, then compressed rows), n_prev, n_rows."""
@@ -235,17 +264,20 @@ class Attention(nn.Module):
         keys, n_prev, n_rows = self._keys(x, kv, layer, position)
         keys = keys.astype(q.dtype)
         q = q.transpose(0, 2, 1, 3)  # (1, heads, L, hd)
-        # query blocks bound the (heads, block, keys) scores of long contexts
-        block = max(1, min(L, SCORE_BUDGET // (nh * keys.shape[2])))
-        out = mx.concatenate(
-            [
-                self._attend(q[:, :, b : b + block], x[:, b : b + block], qr[:, b : b + block],
-                             keys, layer, position, b, n_prev, n_rows)
-                for b in range(0, L, block)
-            ],
-            axis=2,
-        )
-        out = rope(out.transpose(0, 2, 1, 3), positions, self._inv_freq, inverse=True)
+        if self._gathers(q, keys, n_rows):
+            out = self._attend_listed(q, x, qr, keys[0, 0], layer, position, n_prev, n_rows)
+        else:
+            # query blocks bound the (heads, block, keys) scores of long contexts
+            block = max(1, min(L, SCORE_BUDGET // (nh * keys.shape[2])))
+            out = mx.concatenate(
+                [
+                    self._attend(q[:, :, b : b + block], x[:, b : b + block],
+                                 qr[:, b : b + block], keys, layer, position, b, n_prev, n_rows)
+                    for b in range(0, L, block)
+                ],
+                axis=2,
+            ).transpose(0, 2, 1, 3)
+        out = rope(out.reshape(B, L, nh, hd), positions, self._inv_freq, inverse=True)
         # grouped low-rank output: group g of heads -> its own (o_lora_rank, nh*hd/og) matrix
         og = self.args.o_groups
         wa = self.attn_output_a.weight.reshape(og, self.args.o_lora_rank, -1)

@@ -1,0 +1,102 @@
+"""Fused attention over per-query key lists on CUDA: DeepSeek-V4's attention at head dim 512.
+
+DeepSeek-V4 attends, per query, a list of rows of one shared KV head (K = V): its sliding
+window and the compressed rows it may see, which on ratio-4 layers are the lightning
+indexer's top-k (the reference ``inference/kernel.py`` ``sparse_attn`` takes exactly such
+index lists), with a learned per-head attention sink in the softmax's denominator. MLX has
+no fused attention above head dim 128 on CUDA, and a mask cannot express a per-query
+gather. This kernel (``sparse_attention.cu``: FlashAttention-2's forward pass on mma.sync
+tensor cores, bf16 in, fp32 accumulation) gathers each query's rows tile by tile and runs
+64 heads of one query per block, so the shared KV rows are read once per query, not once
+per head.
+
+`model.archs.deepseek4.sparse.gathered_attention` computes the same in MLX ops; it is the
+reference (`bench.gpu_check` compares them on the device) and the path on other devices.
+NVRTC compiles the kernel on first use per shape; MLX caches it in the process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from .flash_attention import PAD, available
+
+SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
+HEAD_DIMS = (512,)
+HEADS_PER_BLOCK = 64  # sparse_attention.cu's HEADS: the rows of one block's Q tile
+WARPS = 8
+DEFAULT_BLOCK_N = 32
+
+_kernels: dict[tuple[int, int], object] = {}
+
+
+def supports(q: mx.array, kv: mx.array) -> bool:
+    """Whether `sparse_attention` takes these inputs: bf16, a head dim in `HEAD_DIMS`, whole
+    blocks of `HEADS_PER_BLOCK` heads, one batch."""
+    return (q.dtype == mx.bfloat16 and kv.dtype == mx.bfloat16 and q.shape[0] == 1
+            and q.shape[-1] in HEAD_DIMS and q.shape[1] % HEADS_PER_BLOCK == 0)
+
+
+def applies(q: mx.array, kv: mx.array) -> bool:
+    """`supports` on a CUDA GPU with fused attention on (`flash_attention.available`)."""
+    return available() and supports(q, kv)
+
+
+def shared_bytes(head_dim: int, block_n: int) -> int:
+    """Dynamic shared memory of one block: the Q tile, two key tiles (padded rows), the
+    S halves the warp pairs exchange (fp32) and two tiles' key indices (int32)."""
+    rows = HEADS_PER_BLOCK + 2 * block_n
+    return rows * (head_dim + PAD) * 2 + WARPS * 16 * block_n * 4 + 2 * block_n * 4
+
+
+def _kernel(head_dim: int, block_n: int):
+    key = (head_dim, block_n)
+    if key not in _kernels:
+        _kernels[key] = mx.fast.cuda_kernel(
+            name=f"prefillq_sparse_attention_d{head_dim}_n{block_n}",
+            input_names=["q", "kv", "idx", "sinks", "scale"], output_names=["out"],
+            source=SOURCE, ensure_row_contiguous=False,
+            shared_memory=shared_bytes(head_dim, block_n))
+    return _kernels[key]
+
+
+def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, scale: float,
+                     block_n: int = DEFAULT_BLOCK_N) -> mx.array:
+    """Each query's attention over the key rows its index list names, with a sink, fused.
+
+    ``out[i, h] = sum_s softmax_s(x_{i,h,s} ; sinks[h]) kv[idx[i, s]]`` with
+    ``x_{i,h,s} = scale * q[0, h, i] . kv[idx[i, s]]`` over the slots ``idx[i, s] >= 0``,
+    and the sink an extra logit in the softmax's denominator only (DeepSeek-V4 reference
+    ``inference/model.py``, ``Attention``; MLX's ``scaled_dot_product_attention(sinks=)``).
+
+    Args:
+        q: bf16 ``(1, H, L, D)``, H a multiple of `HEADS_PER_BLOCK`, D in `HEAD_DIMS`, its
+            last dimension contiguous.
+        kv: bf16 ``(N, D)``, the shared key (= value) rows.
+        idx: int32 ``(L, K)``, rows of `kv` for each query; -1 marks an empty slot.
+        sinks: ``(H,)``, the per-head sink logits (cast to float32).
+        scale: the score scale.
+        block_n: key slots per step (16 or 32).
+    Returns:
+        bf16 ``(L, H, D)``, equal to `model.archs.deepseek4.sparse.gathered_attention`
+        within bf16 rounding (`bench.gpu_check`). A query with no key gets zeros.
+    Raises:
+        ValueError: inputs `supports` refuses, or `idx` not ``(L, K)``.
+    """
+    if not supports(q, kv):
+        raise ValueError(f"sparse_attention takes bf16, head dim in {HEAD_DIMS}, heads in "
+                         f"multiples of {HEADS_PER_BLOCK} and one batch; got {q.dtype} q "
+                         f"{q.shape}, kv {kv.dtype} {kv.shape}")
+    _, H, L, D = q.shape
+    if idx.ndim != 2 or idx.shape[0] != L or kv.ndim != 2 or kv.shape[1] != D:
+        raise ValueError(f"idx must be (L={L}, K) and kv (N, {D}); got idx {idx.shape}, "
+                         f"kv {kv.shape}")
+    (out,) = _kernel(D, block_n)(
+        inputs=[q, mx.contiguous(kv), mx.contiguous(idx.astype(mx.int32)),
+                sinks.astype(mx.float32), mx.array([scale], dtype=mx.float32)],
+        template=[("D", D), ("BLOCK_N", block_n), ("PAD", PAD)],
+        grid=(L * 32 * WARPS, H // HEADS_PER_BLOCK, 1), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(L, H, D)], output_dtypes=[q.dtype])
+    return out
