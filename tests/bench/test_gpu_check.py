@@ -1,10 +1,14 @@
 """`python -m bench.gpu --check`: its list of checks, how a run of them is judged, the
-logits comparison (the checks themselves run on the device)."""
+logits comparison, and the one-line refusal without a CUDA GPU (the checks themselves run
+on the device)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +17,8 @@ import pytest
 from bench import gpu_check
 from bench.common import Recorder
 from model.archs import gemma3
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_checks_are_functions_of_a_recorder():
@@ -68,3 +74,12 @@ def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
     assert record["metric"] == "chunked_over_one_pass_check" and record["passed"]
     assert record["chunks"] == 3 and record["one_pass_chunks"] == 1
     assert record["value"] <= gpu_check.CHUNKED_TOLERANCE and record["top1_agrees"]
+
+
+def test_check_without_a_cuda_gpu_is_a_one_line_error():
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m bench.gpu: error: --check needs a CUDA GPU"), last
+    assert "Traceback" not in done.stderr
