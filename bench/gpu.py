@@ -1,11 +1,26 @@
-"""Absolute prefill throughput on a GPU (bf16, random weights), and model FLOPs utilisation.
+"""Absolute prefill throughput on a GPU (bf16, random weights), model FLOPs utilisation,
+and the same prefill in mlx-lm and HF transformers, measured in the same run.
 
-    python -m bench.gpu [--quick] [--deepseek4-layers N] [--out FILE]
+    python -m bench.gpu [--quick] [--no-peers] [--no-micro] [--deepseek4-layers N]
+                        [--out FILE]
+    python -m bench.gpu --check [--out FILE]
 
 One JSON line per measurement on stdout (and in FILE with --out, after a context line).
 Cases: Gemma 3 270M shapes at 8,192 and 32,768 tokens in 2,048- and 8,192-token chunks,
 then DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick
 keeps the first of each. Each case is the fastest of 5 prefills after a warm-up one.
+
+Peers (`bench.gpu_peers`, skipped with --no-peers or when not importable), run before
+prefillq's cases: mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks, and HF
+transformers' ``Gemma3ForCausalLM`` (``sdpa`` and ``flex_attention``) in one pass over each
+prompt length, all final-position logits only. prefillq's records carry ``over_mlx_lm``
+(same prompt and chunk) and ``over_hf_flex`` (same prompt). Then the attention
+micro-benchmark (`bench.gpu_attention.micro`: the fused kernel, MLX SDPA and torch SDPA;
+--no-micro skips it).
+
+--check runs only the exactness checks (`bench.gpu_check.CHECKS`: the fused kernel against
+the unfused path at every supported shape, chunked prefill against one pass) and exits 0
+only if all pass; it needs a CUDA GPU.
 
 Throughput does not depend on weight values (routing aside), so the models are built at the
 real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
@@ -23,9 +38,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from model.archs import gemma3
+from model.kernels.flash_attention import ENV as FUSED_ENV
+from model.kernels.flash_attention import available as fused_available
 from model.prefill import start_prefill
 
-from .common import Recorder, log, refuse_existing
+from . import gpu_peers
+from .common import Recorder, git_commit, log, refuse_existing
+from .gpu_attention import micro
 
 # Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
 # chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
@@ -40,6 +59,8 @@ GEMMA3_270M = gemma3.ModelArgs(
     num_key_value_heads=1, head_dim=256, vocab_size=262_144, rms_norm_eps=1e-6,
     sliding_window=512, rope_theta=1_000_000.0, context_length=32_768,
 )
+# (prompt tokens, chunk tokens); --quick keeps the first
+GEMMA3_CASES = ((8192, 2048), (8192, 8192), (32_768, 2048), (32_768, 8192))
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
@@ -146,40 +167,70 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
         mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="one case per model (8,192 tokens in 2,048-token chunks)")
-    p.add_argument("--deepseek4-layers", type=int, default=4,
-                   help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
-    args = p.parse_args(argv)
-    if mx.default_device() != mx.gpu:
-        p.error(f"no GPU: MLX's default device is {mx.default_device()} (install mlx[cuda13] "
-                "on NVIDIA, or run on Apple silicon)")
-    refuse_existing(p, args.out)
-    context = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
-               "mlx": mx.__version__}
-    rec = Recorder(True, context, args.out)
-    log(f"device {mx.default_device()}, mlx {mx.__version__}")
-    ceiling = matmul_tflops()
-    rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
+def gemma3_cases(rec: Recorder, ceiling: float, cases, peers: gpu_peers.Peers) -> None:
+    """prefillq at each ``(n_tokens, chunk_tokens)`` of `cases`, with its MFU against
+    `ceiling` (TFLOP/s) and its ratios over the `peers` measured (`gpu_peers.ratios`)."""
     model = gemma3_model()
-    cases = [(8192, 2048), (8192, 8192), (32_768, 2048), (32_768, 8192)]
-    if args.quick:
-        cases = cases[:1]
     for n, chunk in cases:
         log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
         seconds = prefill_seconds(model, n, chunk, repeats=REPEATS)
         flops = gemma3_flops(GEMMA3_270M, n)
-        rec("gpu_prefill_tok_s", n / seconds, "tok/s", model="gemma3-270m shapes",
-            dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
+        rec("gpu_prefill_tok_s", n / seconds, "tok/s", impl="prefillq",
+            model="gemma3-270m shapes", dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
             tflops=round(flops / seconds / 1e12, 2),
             mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
-            mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
+            mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4),
+            **gpu_peers.ratios(n / seconds, n, chunk, peers))
     del model
     mx.clear_cache()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="one case per model (8,192 tokens in 2,048-token chunks)")
+    p.add_argument("--check", action="store_true",
+                   help="only the exactness checks (bench.gpu_check); exit 0 if all pass")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip mlx-lm and HF transformers (bench.gpu_peers)")
+    p.add_argument("--no-micro", action="store_true",
+                   help="skip the attention micro-benchmark (bench.gpu_attention.micro)")
+    p.add_argument("--deepseek4-layers", type=int, default=4,
+                   help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the context and every record here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.check and not fused_available():
+        p.error(f"--check needs a CUDA GPU with the fused attention kernel on: MLX's default "
+                f"device is {mx.default_device()} (${FUSED_ENV} must not be 0)")
+    if mx.default_device() != mx.gpu:
+        p.error(f"no GPU: MLX's default device is {mx.default_device()} (install mlx[cuda13] "
+                "on NVIDIA, or run on Apple silicon)")
+    refuse_existing(p, args.out)
+    context = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+               "device": str(mx.default_device()), "mlx": mx.__version__}
+    rec = Recorder(True, context, args.out)
+    log(f"device {mx.default_device()}, mlx {mx.__version__}")
+    if args.check:
+        from .gpu_check import run_checks  # it imports this module
+
+        ok = run_checks(rec)
+        log(f"gpu checks: {'all passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    ceiling = matmul_tflops()
+    rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
+    cases = GEMMA3_CASES[:1] if args.quick else GEMMA3_CASES
+    peers = {} if args.no_peers else gpu_peers.measure(rec, cases, REPEATS)
+    gemma3_cases(rec, ceiling, cases, peers)
+    if not args.no_micro and fused_available():
+        micro(rec)
+    elif not args.no_micro:
+        log("the attention micro-benchmark needs the fused kernel (a CUDA GPU): skipped")
     if args.deepseek4_layers:
         for n, chunk in ((8192, 2048),) if args.quick else ((8192, 2048), (32_768, 2048)):
             deepseek4_case(rec, ceiling, args.deepseek4_layers, n, chunk)

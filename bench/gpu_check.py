@@ -1,0 +1,104 @@
+"""Exactness on the GPU (`python -m bench.gpu --check`): every check in `CHECKS` runs, each
+records its JSON lines, and the run passes only if all do.
+
+A check is a function of the run's `Recorder` returning whether it passed; add one by
+appending it to `CHECKS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from model.kernels.flash_attention import available
+from model.prefill import start_prefill
+
+from .common import Recorder, log
+from .gpu import gemma3_model
+from .gpu_attention import check as kernel_check
+
+# Chunked vs one pass in bf16, as max |diff| / max |logit|. Both sides round every
+# activation to bf16 (relative step 2^-8 ~ 3.9e-3) through 18 layers, and differ in the
+# order of their sums (matmuls of 2,048 vs 8,192 rows, the kernel's key splits), so each
+# layer's bf16 rounding lands differently and the residual stream carries it on; the fused
+# kernel alone may differ from float32 by 2e-2 (`bench.gpu_attention.BF16_TOLERANCE`).
+# 3e-2 is ~8 bf16 steps at the largest logit; a bug (a wrong offset, window or cache row)
+# moves logits by O(1) of it. The top-1 token must also agree.
+CHUNKED_TOLERANCE = 3e-2
+CHUNKED_TOKENS = 8192
+CHUNK_TOKENS = 2048
+SEED = 0
+
+
+def fused_kernel_4_warps(rec: Recorder) -> bool:
+    """`bench.gpu_attention.check` at 4 warps per block (the default)."""
+    return kernel_check(rec, warps=4)
+
+
+def fused_kernel_8_warps(rec: Recorder) -> bool:
+    """`bench.gpu_attention.check` at 8 warps per block."""
+    return kernel_check(rec, warps=8)
+
+
+def compare_logits(chunked: np.ndarray, whole: np.ndarray) -> dict:
+    """How far `chunked` logits are from `whole` ones (float ``(vocab,)`` each).
+
+    Returns:
+        ``diff``: max |chunked - whole| / max |whole|; ``top1_agrees``; both top-1 ids;
+        ``top2_margin``: `whole`'s top-1 minus top-2 logit over max |whole| (how close a
+        flip of the top-1 was); ``finite``: no NaN or infinity in `chunked`.
+    """
+    scale = float(np.abs(whole).max())
+    second, first = np.argsort(whole)[-2:]
+    return {"diff": float(np.abs(chunked - whole).max()) / scale,
+            "top1_agrees": int(chunked.argmax()) == int(whole.argmax()),
+            "top1_chunked": int(chunked.argmax()), "top1_one_pass": int(whole.argmax()),
+            "top2_margin": round(float(whole[first] - whole[second]) / scale, 5),
+            "finite": bool(np.isfinite(chunked).all())}
+
+
+def _logits(model, ids: list[int], chunk: int) -> tuple[np.ndarray, int]:
+    prefill = start_prefill(model, ids, vocab_size=model.args.vocab_size,
+                            context_length=model.args.context_length, chunk_tokens=chunk,
+                            kv_dtype=mx.bfloat16)
+    logits = prefill.run()
+    return logits, prefill.chunks_done
+
+
+def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
+                            chunk: int = CHUNK_TOKENS) -> bool:
+    """`n` random tokens prefilled in `chunk`-token chunks and in one `n`-token chunk give
+    the same final logits within `CHUNKED_TOLERANCE`, and the same top-1 token.
+
+    Args:
+        model: a Gemma 3 `model.archs.gemma3.Model` (default `bench.gpu.gemma3_model()`:
+            270M shapes, bf16, random weights from seed `SEED`).
+    """
+    mx.random.seed(SEED)
+    model = model if model is not None else gemma3_model()
+    ids = mx.random.randint(0, model.args.vocab_size, (n,)).tolist()
+    chunked, chunks = _logits(model, ids, chunk)
+    whole, one_pass_chunks = _logits(model, ids, n)
+    got = compare_logits(chunked, whole)
+    ok = got["diff"] <= CHUNKED_TOLERANCE and got["top1_agrees"] and got["finite"]
+    rec("chunked_over_one_pass_check", got.pop("diff"), "max|diff|/max|logit|",
+        ceiling=CHUNKED_TOLERANCE, passed=ok, n_tokens=n, chunk_tokens=chunk, chunks=chunks,
+        one_pass_chunks=one_pass_chunks, fused_attention=available(), **got)
+    return ok
+
+
+CHECKS: list[Callable[[Recorder], bool]] = [
+    fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass]
+
+
+def run_checks(rec: Recorder, checks: list[Callable[[Recorder], bool]] | None = None) -> bool:
+    """Run every one of `checks` (default `CHECKS`), a failure not stopping the rest, and log
+    each verdict; True if all passed."""
+    ok = True
+    for check in CHECKS if checks is None else checks:
+        passed = bool(check(rec))
+        log(f"{check.__name__}: {'ok' if passed else 'FAILED'}")
+        ok = ok and passed
+    return ok

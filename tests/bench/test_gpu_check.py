@@ -1,0 +1,85 @@
+"""`python -m bench.gpu --check`: its list of checks, how a run of them is judged, the
+logits comparison, and the one-line refusal without a CUDA GPU (the checks themselves run
+on the device)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from bench import gpu_check
+from bench.common import Recorder
+from model.archs import gemma3
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_checks_are_functions_of_a_recorder():
+    assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
+                                gpu_check.chunked_equals_one_pass]
+    for check in gpu_check.CHECKS:
+        params = list(inspect.signature(check).parameters.values())
+        assert params[0].name == "rec"
+        assert all(p.default is not p.empty for p in params[1:]), check.__name__
+
+
+def test_every_check_runs_and_one_failure_fails_the_run(capsys):
+    ran = []
+
+    def passes(rec: Recorder) -> bool:
+        ran.append("passes")
+        return True
+
+    def fails(rec: Recorder) -> bool:
+        ran.append("fails")
+        return False
+
+    rec = Recorder(True, {})
+    assert gpu_check.run_checks(rec, [fails, passes]) is False
+    assert ran == ["fails", "passes"]
+    assert gpu_check.run_checks(rec, [passes, passes]) is True
+    assert gpu_check.run_checks(rec, []) is True
+    assert "fails: FAILED" in capsys.readouterr().err
+
+
+def test_compare_logits_measures_against_the_largest_logit():
+    whole = np.array([1.0, -4.0, 3.0, 2.5], dtype=np.float32)
+    same = gpu_check.compare_logits(whole.copy(), whole)
+    assert same["diff"] == 0 and same["top1_agrees"] and same["finite"]
+    assert same["top2_margin"] == 0.125  # (3 - 2.5) / 4
+    nudged = whole + np.array([0, 0.2, 0, 0], dtype=np.float32)
+    assert gpu_check.compare_logits(nudged, whole)["diff"] == pytest.approx(0.2 / 4)
+    flipped = gpu_check.compare_logits(whole + np.array([0, 0, 0, 0.6], np.float32), whole)
+    assert not flipped["top1_agrees"] and flipped["top1_chunked"] == 3
+    assert not gpu_check.compare_logits(whole * np.nan, whole)["finite"]
+
+
+def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
+    args = gemma3.ModelArgs(
+        hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6,
+        sliding_window=16, rope_theta=1_000_000.0, context_length=256)
+    mx.random.seed(2)
+    model = gemma3.Model(args)
+    model.set_dtype(mx.bfloat16)
+    assert gpu_check.chunked_equals_one_pass(Recorder(True, {}), model, n=96, chunk=32)
+    record = json.loads(capsys.readouterr().out)
+    assert record["metric"] == "chunked_over_one_pass_check" and record["passed"]
+    assert record["chunks"] == 3 and record["one_pass_chunks"] == 1
+    assert record["value"] <= gpu_check.CHUNKED_TOLERANCE and record["top1_agrees"]
+
+
+def test_check_without_a_cuda_gpu_is_a_one_line_error():
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m bench.gpu: error: --check needs a CUDA GPU"), last
+    assert "Traceback" not in done.stderr
