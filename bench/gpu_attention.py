@@ -34,6 +34,7 @@ CHECKS = [  # (H, KVH, L, position, window)
     (4, 1, 777, 3001, None), (4, 4, 513, 100, None), (4, 1, 2048, 0, 512),
     (4, 1, 2048, 8192, 512), (4, 1, 300, 5000, 512), (8, 2, 1024, 2048, 1024),
     (4, 1, 8192, 0, None), (4, 1, 8192, 0, 512),  # enough query blocks: no key split
+    (4, 1, 64, 16_384, None), (4, 1, 1, 8191, None),  # short chunks, long keys: 8 splits
 ]
 
 

@@ -22,10 +22,12 @@ from ..cache import CachePlan, LayerSpec, plan_cache, window_mask
 from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
+from ..kernels import flash_attention as fused
 from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
 from ..kv_cache import CAPACITY_STEP_TOKENS, ModelCache
 from ..runtime.streams import split_map
+from .gemma3_graph import GraphForward
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
@@ -263,6 +265,7 @@ class Model(nn.Module):
         self.token_embd = nn.Embedding(args.vocab_size, args.hidden_size)
         self.blk = [Block(args, i) for i in range(args.num_hidden_layers)]
         self.output_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._graph: GraphForward | None = None
 
     @property
     def sliding_window(self) -> int:
@@ -280,6 +283,10 @@ class Model(nn.Module):
             float ``(B, hidden)``: the final-normed hidden state of the last position, or
             ``(B, L, hidden)`` of every position with `every_position`.
         """
+        if graph_applies(self, cache):
+            if self._graph is None:
+                self._graph = GraphForward(_fused_attend)
+            return self._graph(self, inputs, cache, every_position)
         h = self.token_embd(inputs)
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         for layer, block in enumerate(self.blk):
@@ -304,6 +311,18 @@ class Model(nn.Module):
     def cache_from_state(self, state: CacheState) -> ModelCache:
         """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""
         return ModelCache.from_state(self.args.layer_specs(), state, ARCHITECTURE)
+
+
+def graph_applies(model: Model, cache: ModelCache) -> bool:
+    """Whether `model` runs its chunks as compiled graphs (`gemma3_graph.GraphForward`)
+    around the fused kernel: on a CUDA GPU (`flash_attention.available`) with bf16 weights
+    and cache rows at a head dim the kernel takes."""
+    return (fused.available() and model.token_embd.weight.dtype == mx.bfloat16
+            and cache[0].dtype == mx.bfloat16 and model.args.head_dim in fused.HEAD_DIMS)
+
+
+def _fused_attend(q, keys, values, scale, position, window, mask):
+    return flash_attention(q, keys, values, scale, position, window)
 
 
 def gguf_name(param: str) -> str:

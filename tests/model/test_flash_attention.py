@@ -30,9 +30,10 @@ def test_supports_bf16_head_dim_256_and_whole_kv_groups():
 @pytest.mark.parametrize("q_blocks, key_blocks, splits", [
     (512, 128, 1),    # 8K queries x 4 heads fill the GPU already
     (128, 128, 3),    # a 2,048-token chunk of 4 heads: split to reach TARGET_BLOCKS
-    (128, 8, 2),      # few key blocks: at least MIN_KEY_BLOCKS_PER_SPLIT each
+    (128, 64, 2),     # 64 key blocks: at least MIN_KEY_BLOCKS_PER_SPLIT (32) each
+    (128, 9, 1),      # a sliding layer's 9 blocks: not worth a split
     (4, 3, 1),        # too few keys to split
-    (1, 1000, 250),   # 264 wanted, 1,000 // 4 allowed
+    (1, 1000, 31),    # 264 wanted, 1,000 // 32 allowed
 ])
 def test_key_splits_fill_the_gpu_without_tiny_splits(q_blocks, key_blocks, splits):
     assert fa.splits_for(q_blocks, key_blocks) == splits
@@ -48,7 +49,7 @@ def test_the_kernel_source_ships_with_the_package():
 def test_the_grid_plan_counts_the_keys_a_block_may_see():
     # a 2,048-token chunk of 4 heads after 6,144 keys: 32 query blocks, split 3 ways
     assert fa.grid_plan(1, 4, 2048, 8192, None) == (32, 3)
-    # under a 512 window a block sees 576 keys (9 blocks of 64): at most 2 splits of 4+
-    assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 2)
-    # 8 warps: blocks of 128 queries
-    assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 5)
+    # under a 512 window a block sees 576 keys (9 blocks of 64): too few to split
+    assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 1)
+    # 8 warps: blocks of 128 queries; 128 key blocks allow 4 splits of 32
+    assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 4)

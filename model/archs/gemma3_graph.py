@@ -1,0 +1,99 @@
+"""Gemma 3's chunk forward as two compiled graphs per layer, for GPUs.
+
+A 2,048-token chunk of Gemma 3 270M is ~0.4 TFLOP, about a millisecond of an H200's tensor
+cores, yet the module-by-module forward takes ~8 ms there: the host builds ~45 MLX ops
+per layer and MLX launches each as its own kernel (`bench.gpu_ablate` measures the host's
+share). Here each layer is two `mx.compile`d functions around the parts that cannot be
+compiled (the cache update, whose shapes change with the position, and the attention):
+
+- `pre`: the input norm, the q/k/v projections, q/k norms and RoPE at an array offset
+  (so one trace serves every position);
+- `post`: the output projection, the residual and its norms, and the GELU-gated MLP.
+
+MLX fuses their elementwise ops into single kernels, and a compiled call costs the host
+one Python call instead of a dozen. Each function is traced once per (layer kind, chunk
+length). The equations are `model.archs.gemma3`'s exactly (`Attention`, `MLP`, `Block`);
+`tests/model/test_gemma3_graph.py` checks the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Attend = Callable[..., mx.array]
+
+
+def _pre(x, offset, w_norm, w_q, w_k, w_v, w_q_norm, w_k_norm, *, eps: float, heads: int,
+         kv_heads: int, head_dim: int, base: float):
+    B, L, _ = x.shape
+    h = mx.fast.rms_norm(x, w_norm, eps)
+
+    def project(w, n, w_n):
+        y = (h @ w.T).reshape(B, L, n, head_dim)
+        return y if w_n is None else mx.fast.rms_norm(y, w_n, eps)
+
+    q = project(w_q, heads, w_q_norm).transpose(0, 2, 1, 3)
+    k = project(w_k, kv_heads, w_k_norm).transpose(0, 2, 1, 3)
+    v = project(w_v, kv_heads, None).transpose(0, 2, 1, 3)
+    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=1.0,
+                   offset=offset)
+    return rope(q), rope(k), v
+
+
+def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate, w_up, w_down, w_post_ffw, *,
+          eps: float):
+    B, _, L, _ = attn.shape
+    h = x + mx.fast.rms_norm(attn.transpose(0, 2, 1, 3).reshape(B, L, -1) @ w_o.T,
+                             w_post_attn, eps)
+    m = mx.fast.rms_norm(h, w_ffn_norm, eps)
+    gated = nn.gelu_approx(m @ w_gate.T) * (m @ w_up.T)
+    return h + mx.fast.rms_norm(gated @ w_down.T, w_post_ffw, eps)
+
+
+class GraphForward:
+    """``forward(model, inputs, cache, every_position)`` with the same contract as
+    `model.archs.gemma3.Model.__call__`, each layer's dense parts compiled.
+
+    Args:
+        attend: ``attend(q, keys, values, scale, position, window, mask)`` -> ``(B, heads,
+            L, head_dim)``, the layer's attention over what its cache returned (on CUDA,
+            `model.kernels.flash_attention`).
+    """
+
+    def __init__(self, attend: Attend):
+        self.attend = attend
+        self._pre: dict[float, Callable] = {}
+        self._post: Callable | None = None
+
+    def _compiled(self, args, base: float):
+        if base not in self._pre:
+            self._pre[base] = mx.compile(partial(
+                _pre, eps=args.rms_norm_eps, heads=args.num_attention_heads,
+                kv_heads=args.num_key_value_heads, head_dim=args.head_dim, base=base))
+        if self._post is None:
+            self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
+        return self._pre[base], self._post
+
+    def __call__(self, model, inputs: mx.array, cache, every_position: bool = False
+                 ) -> mx.array:
+        args, position = model.args, cache.position
+        h = model.token_embd(inputs)
+        h = h * mx.array(math.sqrt(args.hidden_size), dtype=h.dtype)
+        offset = mx.array(position, dtype=mx.int32)
+        for layer, block in enumerate(model.blk):
+            a, f = block.attn, block.mlp
+            pre, post = self._compiled(args, a.rope_base)
+            q, k, v = pre(h, offset, block.attn_norm.weight, a.attn_q.weight,
+                          a.attn_k.weight, a.attn_v.weight, a.attn_q_norm.weight,
+                          a.attn_k_norm.weight)
+            keys, values, mask = cache[layer].update(k, v, position)
+            out = self.attend(q, keys, values, a.scale, position, a.window, mask)
+            h = post(h, out, a.attn_output.weight, block.post_attention_norm.weight,
+                     block.ffn_norm.weight, f.ffn_gate.weight, f.ffn_up.weight,
+                     f.ffn_down.weight, block.post_ffw_norm.weight)
+        return model.output_norm(h if every_position else h[:, -1, :])
