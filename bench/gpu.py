@@ -42,7 +42,7 @@ from model.kernels.flash_attention import ENV as FUSED_ENV
 from model.kernels.flash_attention import available as fused_available
 from model.prefill import start_prefill
 
-from . import gpu_peers
+from . import gpu_deepseek4, gpu_peers
 from .common import Recorder, git_commit, log, refuse_existing
 from .gpu_attention import micro
 
@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     gemma3_cases(rec, ceiling, cases, peers)
     if not args.no_micro and fused_available():
         micro(rec)
+        gpu_deepseek4.micro(rec)
     elif not args.no_micro:
         log("the attention micro-benchmark needs the fused kernel (a CUDA GPU): skipped")
     if args.deepseek4_layers:

@@ -15,6 +15,7 @@ import numpy as np
 from model.kernels.flash_attention import available
 from model.prefill import start_prefill
 
+from . import gpu_deepseek4
 from .common import Recorder, log
 from .gpu import gemma3_model
 from .gpu_attention import check as kernel_check
@@ -90,7 +91,8 @@ def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
 
 
 CHECKS: list[Callable[[Recorder], bool]] = [
-    fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass]
+    fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass,
+    gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers]
 
 
 def run_checks(rec: Recorder, checks: list[Callable[[Recorder], bool]] | None = None) -> bool:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench import gpu_check
+from bench import gpu_check, gpu_deepseek4
 from bench.common import Recorder
 from model.archs import gemma3
 
@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_checks_are_functions_of_a_recorder():
     assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
-                                gpu_check.chunked_equals_one_pass]
+                                gpu_check.chunked_equals_one_pass,
+                                gpu_deepseek4.check_sparse_kernel,
+                                gpu_deepseek4.check_gathered_layers]
     for check in gpu_check.CHECKS:
         params = list(inspect.signature(check).parameters.values())
         assert params[0].name == "rec"

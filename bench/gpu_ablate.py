@@ -1,0 +1,142 @@
+"""Where a Gemma 3 GPU prefill's time goes, by taking parts away (bf16, random weights).
+
+    python -m bench.gpu_ablate [--tokens 8192 32768] [--chunk 2048] [--out FILE]
+
+`bench.gpu_profile` evaluates module by module, which breaks MLX's lazy graph and so
+changes what it measures. Here each variant runs the whole prefill unchanged except for
+one part, in the same process, alternating (`bench.common.interleaved`), fastest of
+`REPEATS`:
+
+- ``baseline``: the product's path (on CUDA, compiled layer graphs around the fused
+  kernel: `model.archs.gemma3_graph`);
+- ``module_forward``: the module-by-module forward, still with the fused kernel;
+- ``unfused``: the module forward with MLX's attention instead of the kernel;
+- ``no_split``: the kernel without FlashDecoding's key splits;
+- ``split_min_4``: key splits down to 4 key blocks each (the rule before 32);
+- ``no_attention``: the attention returns its queries (projections, norms, RoPE and the
+  cache update stay), so the difference is what attention costs;
+- ``pipelined``: every chunk launched before waiting for the previous one (one wait at
+  the end): the host's graph building overlaps the device, which bounds what overlapping
+  chunks could gain;
+- ``build_seconds``: the host time spent building the chunks' graphs in the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+from model.archs import gemma3
+from model.kernels import flash_attention as fa
+from model.prefill import finish_chunk, launch_chunk, start_prefill
+
+from .common import Recorder, interleaved, log, refuse_existing
+from .gpu import gemma3_model
+
+REPEATS = 3
+
+
+@contextmanager
+def patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _prefill(model, n: int, chunk: int, pipelined: bool = False) -> tuple[float, float]:
+    """(wall seconds, host seconds building graphs) of one prefill of `n` random ids."""
+    ids = mx.random.randint(0, model.args.vocab_size, (n,)).tolist()
+    mx.synchronize()
+    t0 = time.perf_counter()
+    prefill = start_prefill(model, ids, vocab_size=model.args.vocab_size,
+                            context_length=model.args.context_length, chunk_tokens=chunk,
+                            kv_dtype=mx.bfloat16)
+    cache, build = prefill.cache, 0.0
+    pending = []
+    for start, end in zip((0, *prefill.plan.boundaries[:-1]), prefill.plan.boundaries, strict=True):
+        b0 = time.perf_counter()
+        hidden, _ = launch_chunk(model, cache, ids[start:end])
+        build += time.perf_counter() - b0
+        if pipelined:
+            cache.commit(end - start)  # position only; rows are written by the graph
+            pending.append(hidden)
+        else:
+            finish_chunk(cache, hidden, end - start)
+    if pending:
+        mx.eval(pending, cache.arrays())
+    mx.eval(model.logits(hidden))
+    return time.perf_counter() - t0, build
+
+
+def variants(model) -> dict:
+    def run(n, chunk, **kw):
+        return lambda: _prefill(model, n, chunk, **kw)[0]
+
+    def under(patch, fn):
+        def go():
+            with patch():
+                return fn()
+        return go
+
+    def no_attention():
+        stack = ExitStack()
+        stack.enter_context(patched(gemma3.Attention, "core", lambda self, q, *a: q))
+        if model._graph is not None:
+            stack.enter_context(patched(model._graph, "attend", lambda q, *a: q))
+        return stack
+
+    module = lambda: patched(gemma3, "graph_applies", lambda m, c: False)  # noqa: E731
+    return {
+        "baseline": lambda n, c: run(n, c),
+        "module_forward": lambda n, c: under(module, run(n, c)),
+        "unfused": lambda n, c: under(
+            lambda: patched(gemma3, "fused_attention_applies", lambda q, k: False),
+            under(module, run(n, c))),
+        "no_split": lambda n, c: under(lambda: patched(fa, "TARGET_BLOCKS", 1), run(n, c)),
+        "split_min_4": lambda n, c: under(
+            lambda: patched(fa, "MIN_KEY_BLOCKS_PER_SPLIT", 4), run(n, c)),
+        "no_attention": lambda n, c: under(no_attention, run(n, c)),
+        "pipelined": lambda n, c: run(n, c, pipelined=True),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_ablate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
+    p.add_argument("--chunk", type=int, nargs="+", default=[2048])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    refuse_existing(p, args.out)
+    rec = Recorder(True, {"date": datetime.date.today().isoformat(),
+                          "device": str(mx.default_device()), "mlx": mx.__version__,
+                          "fused_attention": fa.available()}, args.out)
+    model = gemma3_model()
+    table = variants(model)
+    for n in args.tokens:
+        for chunk in args.chunk:
+            log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
+            fns = [make(n, chunk) for make in table.values()]
+            for fn in fns:
+                fn()  # compile and warm each variant once
+            seconds = interleaved(*fns, repeats=REPEATS)
+            base = seconds[0]
+            for name, s in zip(table, seconds, strict=True):
+                rec("gpu_ablation_tok_s", n / s, "tok/s", variant=name, n_tokens=n,
+                    chunk_tokens=chunk, seconds=round(s, 4), over_baseline=round(base / s, 3))
+            builds = [_prefill(model, n, chunk)[1] for _ in range(REPEATS)]
+            rec("gpu_build_seconds", min(builds), "s", n_tokens=n, chunk_tokens=chunk,
+                share_of_baseline=round(min(builds) / base, 3))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
