@@ -8,7 +8,7 @@ one part, in the same process, alternating (`bench.common.interleaved`), fastest
 `REPEATS`:
 
 - ``baseline``: the product's path (on CUDA, compiled layer graphs around the fused
-  kernel: `model.archs.gemma3_graph`);
+  kernel: `model.archs._gemma3_graph`);
 - ``module_forward``: the module-by-module forward, still with the fused kernel;
 - ``unfused``: the module forward with MLX's attention instead of the kernel;
 - ``no_split``: the kernel without FlashDecoding's key splits;
@@ -19,12 +19,17 @@ one part, in the same process, alternating (`bench.common.interleaved`), fastest
   the end): the host's graph building overlaps the device, which bounds what overlapping
   chunks could gain;
 - ``build_seconds``: the host time spent building the chunks' graphs in the baseline.
+
+MLX's CUDA backend reads its knobs (``MLX_MAX_OPS_PER_BUFFER``, ``MLX_USE_CUDA_GRAPHS``,
+``MLX_CUDA_GRAPH_CACHE_SIZE``) from the environment once, so compare them across runs:
+the context line records every ``MLX_*`` variable set.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -113,14 +118,22 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
     p.add_argument("--chunk", type=int, nargs="+", default=[2048])
+    p.add_argument("--variants", nargs="+", help="run only these (default: all)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     rec = Recorder(True, {"date": datetime.date.today().isoformat(),
                           "device": str(mx.default_device()), "mlx": mx.__version__,
-                          "fused_attention": fa.available()}, args.out)
+                          "fused_attention": fa.available(), "mlx_env": knobs}, args.out)
     model = gemma3_model()
     table = variants(model)
+    if args.variants:
+        unknown = set(args.variants) - set(table)
+        if unknown:
+            p.error(f"unknown variants {sorted(unknown)}; known: {sorted(table)}")
+        table = {name: make for name, make in table.items()
+                 if name in args.variants or name == "baseline"}
     for n in args.tokens:
         for chunk in args.chunk:
             log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")

@@ -228,10 +228,48 @@ class Prefill:
         return start, end, out, time.perf_counter() - t0, t0
 
     def run(self) -> np.ndarray:
-        """Run every remaining chunk and return the final logits."""
-        while not self.done:
+        """Run every remaining chunk and return the final logits.
+
+        Two chunks are in flight: chunk k + 1 is built and launched while chunk k runs (MLX
+        chains them through the cache's lazy arrays), so the host's graph building, which
+        bounds a 2,048-token chunk on a GPU (`bench.gpu_ablate`), overlaps the device. The
+        cursor advances at each launch; a failed chunk poisons the cache, as in `step`.
+        """
+        if self.launched:
             self.step()
+        pending = None
+        while pending is not None or not self.done:
+            ahead = self._launch_ahead() if not self.done else None
+            if pending is not None:
+                self._land(*pending)
+            pending = ahead
         return self.logits()
+
+    def _launch_ahead(self) -> tuple:
+        start, end = self.plan.next_chunk(self.cursor)
+        began = time.perf_counter()
+        hidden, head = launch_chunk(self.model, self.cache, self.token_ids[start:end],
+                                    self.logprobs)
+        arrays = self.cache.arrays()  # this chunk's writes, not the next one's
+        self.cache.commit(end - start)
+        self.compute_seconds += time.perf_counter() - began
+        return start, hidden, head, arrays, began
+
+    def _land(self, start: int, hidden: mx.array, head: tuple, arrays: list, began: float
+              ) -> None:
+        t0 = time.perf_counter()
+        try:
+            mx.eval(hidden, *head, arrays)
+        except BaseException:
+            self.cache.poison()
+            raise
+        self._hidden = hidden
+        if self.logprobs is not None:
+            self.logprobs.record(start, head)
+        done = time.perf_counter()
+        self.compute_seconds += done - t0
+        self.last_chunk_seconds = done - began
+        self.chunks_done += 1
 
     def logits(self) -> np.ndarray:
         """Final-position logits, float32 ``(vocab,)``; they also complete ``logprobs``

@@ -27,7 +27,7 @@ from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
 from ..kv_cache import CAPACITY_STEP_TOKENS, ModelCache
 from ..runtime.streams import split_map
-from .gemma3_graph import GraphForward
+from ._gemma3_graph import GraphForward
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
@@ -314,7 +314,7 @@ class Model(nn.Module):
 
 
 def graph_applies(model: Model, cache: ModelCache) -> bool:
-    """Whether `model` runs its chunks as compiled graphs (`gemma3_graph.GraphForward`)
+    """Whether `model` runs its chunks as compiled graphs (`_gemma3_graph.GraphForward`)
     around the fused kernel: on a CUDA GPU (`flash_attention.available`) with bf16 weights
     and cache rows at a head dim the kernel takes."""
     return (fused.available() and model.token_embd.weight.dtype == mx.bfloat16

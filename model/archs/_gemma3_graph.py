@@ -6,9 +6,10 @@ per layer and MLX launches each as its own kernel (`bench.gpu_ablate` measures t
 share). Here each layer is two `mx.compile`d functions around the parts that cannot be
 compiled (the cache update, whose shapes change with the position, and the attention):
 
-- `pre`: the input norm, the q/k/v projections, q/k norms and RoPE at an array offset
-  (so one trace serves every position);
-- `post`: the output projection, the residual and its norms, and the GELU-gated MLP.
+- `pre`: the input norm, the q/k/v projections (one matmul over the three stacked), q/k
+  norms and RoPE at an array offset (so one trace serves every position);
+- `post`: the output projection, the residual and its norms, and the GELU-gated MLP (gate
+  and up stacked into one matmul).
 
 MLX fuses their elementwise ops into single kernels, and a compiled call costs the host
 one Python call instead of a dozen. Each function is traced once per (layer kind, chunk
@@ -28,31 +29,29 @@ import mlx.nn as nn
 Attend = Callable[..., mx.array]
 
 
-def _pre(x, offset, w_norm, w_q, w_k, w_v, w_q_norm, w_k_norm, *, eps: float, heads: int,
+def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
          kv_heads: int, head_dim: int, base: float):
     B, L, _ = x.shape
-    h = mx.fast.rms_norm(x, w_norm, eps)
+    qkv = mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T  # one matmul for q, k and v
+    q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
 
-    def project(w, n, w_n):
-        y = (h @ w.T).reshape(B, L, n, head_dim)
-        return y if w_n is None else mx.fast.rms_norm(y, w_n, eps)
+    def heads_first(y, n, w_n=None):
+        y = y.reshape(B, L, n, head_dim)
+        return (y if w_n is None else mx.fast.rms_norm(y, w_n, eps)).transpose(0, 2, 1, 3)
 
-    q = project(w_q, heads, w_q_norm).transpose(0, 2, 1, 3)
-    k = project(w_k, kv_heads, w_k_norm).transpose(0, 2, 1, 3)
-    v = project(w_v, kv_heads, None).transpose(0, 2, 1, 3)
     rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=1.0,
                    offset=offset)
-    return rope(q), rope(k), v
+    return (rope(heads_first(q, heads, w_q_norm)), rope(heads_first(k, kv_heads, w_k_norm)),
+            heads_first(v, kv_heads))
 
 
-def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate, w_up, w_down, w_post_ffw, *,
+def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, *,
           eps: float):
     B, _, L, _ = attn.shape
     h = x + mx.fast.rms_norm(attn.transpose(0, 2, 1, 3).reshape(B, L, -1) @ w_o.T,
                              w_post_attn, eps)
-    m = mx.fast.rms_norm(h, w_ffn_norm, eps)
-    gated = nn.gelu_approx(m @ w_gate.T) * (m @ w_up.T)
-    return h + mx.fast.rms_norm(gated @ w_down.T, w_post_ffw, eps)
+    gate, up = mx.split(mx.fast.rms_norm(h, w_ffn_norm, eps) @ w_gate_up.T, 2, axis=-1)
+    return h + mx.fast.rms_norm((nn.gelu_approx(gate) * up) @ w_down.T, w_post_ffw, eps)
 
 
 class GraphForward:
@@ -69,6 +68,7 @@ class GraphForward:
         self.attend = attend
         self._pre: dict[float, Callable] = {}
         self._post: Callable | None = None
+        self._weights: dict[int, tuple[mx.array, mx.array]] = {}
 
     def _compiled(self, args, base: float):
         if base not in self._pre:
@@ -79,6 +79,18 @@ class GraphForward:
             self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
         return self._pre[base], self._post
 
+    def _stacked(self, layer: int, block) -> tuple[mx.array, mx.array]:
+        """Layer `layer`'s q, k, v weights stacked into one matrix, and gate and up into
+        another, built on first use: one matmul each instead of three and two. The copies
+        follow the weights the model has then (weights do not change after loading)."""
+        if layer not in self._weights:
+            a, f = block.attn, block.mlp
+            stacked = (mx.concatenate([a.attn_q.weight, a.attn_k.weight, a.attn_v.weight]),
+                       mx.concatenate([f.ffn_gate.weight, f.ffn_up.weight]))
+            mx.eval(stacked)
+            self._weights[layer] = stacked
+        return self._weights[layer]
+
     def __call__(self, model, inputs: mx.array, cache, every_position: bool = False
                  ) -> mx.array:
         args, position = model.args, cache.position
@@ -88,12 +100,12 @@ class GraphForward:
         for layer, block in enumerate(model.blk):
             a, f = block.attn, block.mlp
             pre, post = self._compiled(args, a.rope_base)
-            q, k, v = pre(h, offset, block.attn_norm.weight, a.attn_q.weight,
-                          a.attn_k.weight, a.attn_v.weight, a.attn_q_norm.weight,
+            w_qkv, w_gate_up = self._stacked(layer, block)
+            q, k, v = pre(h, offset, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                           a.attn_k_norm.weight)
             keys, values, mask = cache[layer].update(k, v, position)
             out = self.attend(q, keys, values, a.scale, position, a.window, mask)
             h = post(h, out, a.attn_output.weight, block.post_attention_norm.weight,
-                     block.ffn_norm.weight, f.ffn_gate.weight, f.ffn_up.weight,
-                     f.ffn_down.weight, block.post_ffw_norm.weight)
+                     block.ffn_norm.weight, w_gate_up, f.ffn_down.weight,
+                     block.post_ffw_norm.weight)
         return model.output_norm(h if every_position else h[:, -1, :])
