@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import time
 from pathlib import Path
 
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 "on NVIDIA, or run on Apple silicon)")
     refuse_existing(p, args.out)
     context = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+               "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
                "device": str(mx.default_device()), "mlx": mx.__version__}
     rec = Recorder(True, context, args.out)
     log(f"device {mx.default_device()}, mlx {mx.__version__}")

@@ -243,6 +243,11 @@ class Prefill:
             if pending is not None:
                 self._land(*pending)
             pending = ahead
+        try:  # the last chunk's cache writes (earlier ones were read by the next chunk)
+            mx.eval(self.cache.arrays())
+        except BaseException:
+            self.cache.poison()
+            raise
         return self.logits()
 
     def _launch_ahead(self) -> tuple:
@@ -250,16 +255,16 @@ class Prefill:
         began = time.perf_counter()
         hidden, head = launch_chunk(self.model, self.cache, self.token_ids[start:end],
                                     self.logprobs)
-        arrays = self.cache.arrays()  # this chunk's writes, not the next one's
         self.cache.commit(end - start)
         self.compute_seconds += time.perf_counter() - began
-        return start, hidden, head, arrays, began
+        return start, hidden, head, began
 
-    def _land(self, start: int, hidden: mx.array, head: tuple, arrays: list, began: float
-              ) -> None:
+    def _land(self, start: int, hidden: mx.array, head: tuple, began: float) -> None:
+        # not the cache's arrays: slice assignment rebinds them to the next chunk's writes,
+        # and waiting for those would serialize the two chunks
         t0 = time.perf_counter()
         try:
-            mx.eval(hidden, *head, arrays)
+            mx.eval(hidden, *head)
         except BaseException:
             self.cache.poison()
             raise

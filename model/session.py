@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import cache_capacity_for_request
 from .planner import RECOVERY_TAIL_TOKENS, ChunkPlan, plan_chunks, recovery_position
@@ -281,6 +282,14 @@ class SessionPrefill(Prefill):
         n = super().step()
         self.slot.record(self)
         return n
+
+    def run(self) -> np.ndarray:
+        """Every remaining chunk, one at a time, and the final logits: each is recorded in
+        the slot, and the anchor snapshot taken, with the cache exactly at the chunk's end
+        (`Prefill.run`'s two chunks in flight would snapshot the next one's writes)."""
+        while not self.done:
+            self.step()
+        return self.logits()
 
     def reset(self) -> None:
         """Back to cursor 0 with an emptied slot, replanned from 0 (after a failed chunk)."""
