@@ -2,7 +2,8 @@
 // "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
 // Algorithm 1), bf16 in and fp32 accumulation on tensor cores (mma.sync m16n8k16).
 //
-// The body of an `mx.fast.cuda_kernel` (model/kernels/flash_attention.py builds it):
+// The body of an `mx.fast.cuda_kernel` (model/kernels/flash_attention.py builds it, with
+// mma.cuh's primitives as its header):
 // inputs q (B, H, L, D), k and v (B, KVH, N, D), each with strides (its last dimension
 // contiguous, rows 16-byte aligned), params int32 [position, k_start, window, L, N,
 // splits] and scale float32 [1]. Output: out bf16 (B, H, L, D); or, compiled with
@@ -84,29 +85,21 @@ float o[D_TILES][4];
 for (int j = 0; j < D_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
-// one 16-byte async copy global -> shared; `bytes` 0 fills zeros (rows past N)
-auto cp16 = [](uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(dst), "l"(src), "r"(bytes));
-};
 auto load_tile = [&](__nv_bfloat16* tile, const __nv_bfloat16* base, long row, int kb) {
   for (int i = tid; i < BLOCK_N * D / 8; i += blockDim.x) {
     int r = i / (D / 8), c = (i % (D / 8)) * 8;
-    int key = kb + r - k_start;               // row in k or v
+    int key = kb + r - k_start;               // row in k or v; past N: zeros
     bool ok = key < N;
-    cp16(static_cast<uint32_t>(__cvta_generic_to_shared(tile + r * ROW + c)),
-         base + (ok ? key : 0) * row + c, ok ? 16 : 0);
+    cp_async16(smem_address(tile + r * ROW + c), base + (ok ? key : 0) * row + c, ok ? 16 : 0);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 };
 // ldmatrix addresses: this lane's row and 8-column block of each 16 x 16 operand
 const int lm_row = (lane % 8) + ((lane / 16) * 8), lm_col = ((lane / 8) % 2) * 8;
-const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Qs + (warp * 16 + (lane % 16)) * ROW + (lane / 16) * 8));
-const uint32_t k_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Ks + lm_row * ROW + lm_col));
-const uint32_t v_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Vs + ((lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8));
+const uint32_t q_smem = smem_address(Qs + (warp * 16 + (lane % 16)) * ROW + (lane / 16) * 8);
+const uint32_t k_smem = smem_address(Ks + lm_row * ROW + lm_col);
+const uint32_t v_smem = smem_address(Vs + ((lane % 8) + ((lane / 8) % 2) * 8) * ROW +
+                                     (lane / 16) * 8);
 
 if (lo_block < hi_block) load_tile(Ks, kp, k_row, lo_block);
 for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
@@ -118,34 +111,9 @@ for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
 
   // S = Q K^T for this warp's 16 rows
   float s[N_TILES][4];
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll 4
-  for (int kk = 0; kk < D; kk += 16) {
-    uint32_t a0, a1, a2, a3;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(q_smem + kk * 2));
-#pragma unroll
-    for (int j = 0; j < N_TILES; j += 2) {
-      uint32_t b0, b1, b2, b3;  // keys j*8.. and (j+1)*8.., dims kk.. and kk+8..
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                   : "r"(k_smem + (j * 8 * ROW + kk) * 2));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(s[j][0]), "+f"(s[j][1]), "+f"(s[j][2]), "+f"(s[j][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(s[j + 1][0]), "+f"(s[j + 1][1]), "+f"(s[j + 1][2]), "+f"(s[j + 1][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-    }
-  }
+  qk_tiles<N_TILES, ROW>(s, q_smem, k_smem, D);
 
-  // mask (causal, window, past N), scale to log2 units, and the step's row maxima
-  float mx_lo = NEG_INF, mx_hi = NEG_INF;
+  // mask (causal, window, past N) and scale to log2 units, then the online softmax
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
@@ -153,77 +121,22 @@ for (int kb = lo_block; kb < hi_block; kb += BLOCK_N) {
       int key = kb + j * 8 + t * 2 + (e & 1);
       int p = e < 2 ? p_lo : p_hi;
       bool ok = key < k_start + N && key <= p && (window <= 0 || key > p - window);
-      float x = ok ? s[j][e] * scale_log2 : NEG_INF;
-      s[j][e] = x;
-      if (e < 2) mx_lo = fmaxf(mx_lo, x); else mx_hi = fmaxf(mx_hi, x);
+      s[j][e] = ok ? s[j][e] * scale_log2 : NEG_INF;
     }
   }
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 1));
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 2));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 1));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 2));
-  const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-  // a row that has seen no key yet keeps NEG_INF: scale by 0, not by exp(NEG_INF - NEG_INF)
-  const float alpha_lo = new_lo == NEG_INF ? 1.f : exp2f(m_lo - new_lo);
-  const float alpha_hi = new_hi == NEG_INF ? 1.f : exp2f(m_hi - new_hi);
-  float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) {
-    s[j][0] = new_lo == NEG_INF ? 0.f : exp2f(s[j][0] - new_lo);
-    s[j][1] = new_lo == NEG_INF ? 0.f : exp2f(s[j][1] - new_lo);
-    s[j][2] = new_hi == NEG_INF ? 0.f : exp2f(s[j][2] - new_hi);
-    s[j][3] = new_hi == NEG_INF ? 0.f : exp2f(s[j][3] - new_hi);
-    sum_lo += s[j][0] + s[j][1];
-    sum_hi += s[j][2] + s[j][3];
-  }
-  l_lo = l_lo * alpha_lo + sum_lo;   // each thread's partial sum; reduced at the end
-  l_hi = l_hi * alpha_hi + sum_hi;
-  m_lo = new_lo;
-  m_hi = new_hi;
-#pragma unroll
-  for (int j = 0; j < D_TILES; ++j) {
-    o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
-    o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
-  }
+  online_softmax<N_TILES, D_TILES>(s, o, m_lo, m_hi, l_lo, l_hi);
 
   asm volatile("cp.async.wait_group 0;\n" ::);   // V ready
   __syncthreads();                                 // and every warp is done with K
   if (kb + BLOCK_N < hi_block) load_tile(Ks, kp, k_row, kb + BLOCK_N);
 
   // O += P V: P's k-step of 16 keys is S tiles 2i and 2i + 1
-#pragma unroll
-  for (int i = 0; i < BLOCK_N / 16; ++i) {
-    __nv_bfloat162 p0 = __floats2bfloat162_rn(s[2 * i][0], s[2 * i][1]);
-    __nv_bfloat162 p1 = __floats2bfloat162_rn(s[2 * i][2], s[2 * i][3]);
-    __nv_bfloat162 p2 = __floats2bfloat162_rn(s[2 * i + 1][0], s[2 * i + 1][1]);
-    __nv_bfloat162 p3 = __floats2bfloat162_rn(s[2 * i + 1][2], s[2 * i + 1][3]);
-    uint32_t a0 = *reinterpret_cast<uint32_t*>(&p0), a1 = *reinterpret_cast<uint32_t*>(&p1);
-    uint32_t a2 = *reinterpret_cast<uint32_t*>(&p2), a3 = *reinterpret_cast<uint32_t*>(&p3);
-#pragma unroll
-    for (int j = 0; j < D_TILES; j += 2) {
-      uint32_t b0, b1, b2, b3;  // keys i*16.., dims j*8.. and (j+1)*8.., transposed
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                   : "r"(v_smem + (i * 16 * ROW + j * 8) * 2));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[j][0]), "+f"(o[j][1]), "+f"(o[j][2]), "+f"(o[j][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[j + 1][0]), "+f"(o[j + 1][1]), "+f"(o[j + 1][2]), "+f"(o[j + 1][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-    }
-  }
+  pv_tiles<N_TILES, D_TILES, ROW>(o, s, v_smem);
 }
 
 // the row sums across the 4 threads of a row, then O / l -> out
-l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
-l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
-l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
-l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
+l_lo = quad_sum(l_lo);
+l_hi = quad_sum(l_hi);
 const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
 const int q_lo = row0 + r_lo, q_hi = row0 + r_hi;
 #ifdef PREFILLQ_SPLIT

@@ -21,6 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 
 SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
+# mma.sync, ldmatrix, cp.async and the online softmax, shared with sparse_attention.cu
+HEADER = (Path(__file__).with_name("mma.cuh")).read_text()
 HEAD_DIMS = (256,)
 ROWS_PER_WARP = 16  # an mma tile's rows
 DEFAULT_WARPS = 4
@@ -78,7 +80,7 @@ def _kernel(head_dim: int, block_n: int, split: bool, warps: int):
                  f"{'_split' if split else ''}",
             input_names=["q", "k", "v", "params", "scale"],
             output_names=["out", "lse"] if split else ["out"],
-            source=SOURCE, header="#define PREFILLQ_SPLIT 1\n" if split else "",
+            source=SOURCE, header=("#define PREFILLQ_SPLIT 1\n" if split else "") + HEADER,
             ensure_row_contiguous=False,
             shared_memory=shared_bytes(head_dim, block_n, warps))
     return _kernels[key]

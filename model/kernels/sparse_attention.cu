@@ -4,7 +4,8 @@
 // FlashAttention-2 forward pass (Dao, 2023, Algorithm 1) on mma.sync m16n8k16 tensor cores,
 // bf16 in, fp32 accumulation.
 //
-// The body of an `mx.fast.cuda_kernel` (model/kernels/sparse_attention.py builds it):
+// The body of an `mx.fast.cuda_kernel` (model/kernels/sparse_attention.py builds it, with
+// mma.cuh's primitives as its header):
 // inputs q (1, H, L, D) with strides (last dimension contiguous), kv (N, D) row-contiguous,
 // idx int32 (L, K) row-contiguous (a query's key rows in kv; -1: no key), sinks float32
 // (H,), scale float32 [1]. Output out bf16 (L, H, D).
@@ -47,10 +48,6 @@ for (int i = tid; i < HEADS * D / 8; i += blockDim.x) {
       *reinterpret_cast<const uint4*>(q + (h0 + r) * q_strides[1] + l * q_strides[2] + c);
 }
 
-auto cp16 = [](uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(dst), "l"(src), "r"(bytes));
-};
 const int* row_idx = idx + (size_t)l * K;
 // key slots [s0, s0 + BLOCK_N) of this query -> buffer `buf`; a missing key is zeros
 auto load_tile = [&](int buf, int s0) {
@@ -58,20 +55,19 @@ auto load_tile = [&](int buf, int s0) {
   for (int i = tid; i < BLOCK_N * D / 8; i += blockDim.x) {
     int r = i / (D / 8), c = (i % (D / 8)) * 8;
     int row = s0 + r < K ? row_idx[s0 + r] : -1;
-    cp16(static_cast<uint32_t>(__cvta_generic_to_shared(tile + r * ROW + c)),
-         kv + (size_t)(row < 0 ? 0 : row) * D + c, row < 0 ? 0 : 16);
+    cp_async16(smem_address(tile + r * ROW + c), kv + (size_t)(row < 0 ? 0 : row) * D + c,
+               row < 0 ? 0 : 16);
   }
   if (tid < BLOCK_N) Is[buf * BLOCK_N + tid] = s0 + tid < K ? row_idx[s0 + tid] : -1;
   asm volatile("cp.async.commit_group;\n" ::);
 };
 
 const int lm_row = (lane % 8) + ((lane / 16) * 8), lm_col = ((lane / 8) % 2) * 8;
-const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Qs + (rg * 16 + (lane % 16)) * ROW + (lane / 16) * 8 + dh * HALF));
-const uint32_t k_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Ks + lm_row * ROW + lm_col + dh * HALF));
-const uint32_t v_smem = static_cast<uint32_t>(__cvta_generic_to_shared(
-    Ks + ((lane % 8) + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8 + dh * HALF));
+const uint32_t q_smem = smem_address(Qs + (rg * 16 + (lane % 16)) * ROW + (lane / 16) * 8 +
+                                     dh * HALF);
+const uint32_t k_smem = smem_address(Ks + lm_row * ROW + lm_col + dh * HALF);
+const uint32_t v_smem = smem_address(Ks + ((lane % 8) + ((lane / 8) % 2) * 8) * ROW +
+                                     (lane / 16) * 8 + dh * HALF);
 constexpr uint32_t BUF_BYTES = BLOCK_N * ROW * 2;
 float* sx_mine = Sx + warp * 16 * BLOCK_N;
 const float* sx_pair = Sx + (warp ^ 4) * 16 * BLOCK_N;
@@ -92,38 +88,13 @@ for (int step = 0; step < steps; ++step) {
 
   // this warp's half of S = Q K^T over its dims
   float s[N_TILES][4];
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll 4
-  for (int kk = 0; kk < HALF; kk += 16) {
-    uint32_t a0, a1, a2, a3;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(q_smem + kk * 2));
-#pragma unroll
-    for (int j = 0; j < N_TILES; j += 2) {
-      uint32_t b0, b1, b2, b3;
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                   : "r"(k_smem + off + (j * 8 * ROW + kk) * 2));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(s[j][0]), "+f"(s[j][1]), "+f"(s[j][2]), "+f"(s[j][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(s[j + 1][0]), "+f"(s[j + 1][1]), "+f"(s[j + 1][2]), "+f"(s[j + 1][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-    }
-  }
+  qk_tiles<N_TILES, ROW>(s, q_smem, k_smem + off, HALF);
   // the other half from the paired warp: the same lane holds the same fragment there
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) sx_mine[(j * 4 + e) * 32 + lane] = s[j][e];
   __syncthreads();
-  float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
@@ -132,73 +103,19 @@ for (int step = 0; step < steps; ++step) {
       float x = dh == 0 ? s[j][e] + sx_pair[(j * 4 + e) * 32 + lane]
                         : sx_pair[(j * 4 + e) * 32 + lane] + s[j][e];
       bool ok = Is[buf * BLOCK_N + j * 8 + t * 2 + (e & 1)] >= 0;
-      x = ok ? x * scale_log2 : NEG_INF;
-      s[j][e] = x;
-      if (e < 2) mx_lo = fmaxf(mx_lo, x); else mx_hi = fmaxf(mx_hi, x);
+      s[j][e] = ok ? x * scale_log2 : NEG_INF;
     }
   }
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 1));
-  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffff, mx_lo, 2));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 1));
-  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffff, mx_hi, 2));
-  const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-  const float alpha_lo = new_lo == NEG_INF ? 1.f : exp2f(m_lo - new_lo);
-  const float alpha_hi = new_hi == NEG_INF ? 1.f : exp2f(m_hi - new_hi);
-  float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) {
-    s[j][0] = new_lo == NEG_INF ? 0.f : exp2f(s[j][0] - new_lo);
-    s[j][1] = new_lo == NEG_INF ? 0.f : exp2f(s[j][1] - new_lo);
-    s[j][2] = new_hi == NEG_INF ? 0.f : exp2f(s[j][2] - new_hi);
-    s[j][3] = new_hi == NEG_INF ? 0.f : exp2f(s[j][3] - new_hi);
-    sum_lo += s[j][0] + s[j][1];
-    sum_hi += s[j][2] + s[j][3];
-  }
-  l_lo = l_lo * alpha_lo + sum_lo;
-  l_hi = l_hi * alpha_hi + sum_hi;
-  m_lo = new_lo;
-  m_hi = new_hi;
-#pragma unroll
-  for (int j = 0; j < O_TILES; ++j) {
-    o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
-    o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
-  }
+  online_softmax<N_TILES, O_TILES>(s, o, m_lo, m_hi, l_lo, l_hi);
 
   // O += P V for this warp's dims; V is the key tile
-#pragma unroll
-  for (int i = 0; i < BLOCK_N / 16; ++i) {
-    __nv_bfloat162 p0 = __floats2bfloat162_rn(s[2 * i][0], s[2 * i][1]);
-    __nv_bfloat162 p1 = __floats2bfloat162_rn(s[2 * i][2], s[2 * i][3]);
-    __nv_bfloat162 p2 = __floats2bfloat162_rn(s[2 * i + 1][0], s[2 * i + 1][1]);
-    __nv_bfloat162 p3 = __floats2bfloat162_rn(s[2 * i + 1][2], s[2 * i + 1][3]);
-    uint32_t a0 = *reinterpret_cast<uint32_t*>(&p0), a1 = *reinterpret_cast<uint32_t*>(&p1);
-    uint32_t a2 = *reinterpret_cast<uint32_t*>(&p2), a3 = *reinterpret_cast<uint32_t*>(&p3);
-#pragma unroll
-    for (int j = 0; j < O_TILES; j += 2) {
-      uint32_t b0, b1, b2, b3;
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                   : "r"(v_smem + off + (i * 16 * ROW + j * 8) * 2));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[j][0]), "+f"(o[j][1]), "+f"(o[j][2]), "+f"(o[j][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-          "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(o[j + 1][0]), "+f"(o[j + 1][1]), "+f"(o[j + 1][2]), "+f"(o[j + 1][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-    }
-  }
+  pv_tiles<N_TILES, O_TILES, ROW>(o, s, v_smem + off);
 }
 
 // row sums over the 4 threads of a row, then the sink joins the softmax's denominator:
 // sum_j exp(x_j) + exp(sink), rescaled to the larger of the running max and the sink
-l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
-l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
-l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
-l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
+l_lo = quad_sum(l_lo);
+l_hi = quad_sum(l_hi);
 const int h_lo = h0 + rg * 16 + g, h_hi = h_lo + 8;
 const float sink_lo = sinks[h_lo] * LOG2E, sink_hi = sinks[h_hi] * LOG2E;
 const float top_lo = fmaxf(m_lo, sink_lo), top_hi = fmaxf(m_hi, sink_hi);

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .flash_attention import PAD, available
+from .flash_attention import HEADER, PAD, available
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
 HEAD_DIMS = (512,)
@@ -57,7 +57,7 @@ def _kernel(head_dim: int, block_n: int):
         _kernels[key] = mx.fast.cuda_kernel(
             name=f"prefillq_sparse_attention_d{head_dim}_n{block_n}",
             input_names=["q", "kv", "idx", "sinks", "scale"], output_names=["out"],
-            source=SOURCE, ensure_row_contiguous=False,
+            source=SOURCE, header=HEADER, ensure_row_contiguous=False,
             shared_memory=shared_bytes(head_dim, block_n))
     return _kernels[key]
 

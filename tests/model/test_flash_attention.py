@@ -42,8 +42,10 @@ def test_key_splits_fill_the_gpu_without_tiny_splits(q_blocks, key_blocks, split
 def test_the_kernel_source_ships_with_the_package():
     from importlib.resources import files
 
-    source = files("model.kernels").joinpath("flash_attention.cu").read_text()
-    assert source == fa.SOURCE and "mma.sync.aligned.m16n8k16" in source
+    kernels = files("model.kernels")
+    assert kernels.joinpath("flash_attention.cu").read_text() == fa.SOURCE
+    assert kernels.joinpath("mma.cuh").read_text() == fa.HEADER
+    assert "mma.sync.aligned.m16n8k16" in fa.HEADER and "qk_tiles<" in fa.SOURCE
 
 
 def test_the_grid_plan_counts_the_keys_a_block_may_see():
