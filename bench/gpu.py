@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = matmul_tflops()
     rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
     cases = GEMMA3_CASES[:1] if args.quick else GEMMA3_CASES
-    peers = {} if args.no_peers else gpu_peers.measure(rec, cases, REPEATS)
+    peers = {} if args.no_peers else gpu_peers.measure_in_child(rec, cases, REPEATS)
     gemma3_cases(rec, ceiling, cases, peers)
     if not args.no_micro and fused_available():
         micro(rec)

@@ -19,7 +19,12 @@ pass out of memory) gets a ``gpu_prefill_error`` record and the run goes on. Rec
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -271,3 +276,51 @@ def ratios(tok_s: float, n: int, chunk: int, peers: Peers) -> dict[str, float]:
         if key in peers:
             out[name] = round(tok_s / peers[key], 4)
     return out
+
+
+# MLX's own CUDA graph knobs (mlx/backend/cuda, v0.32). Importing `model` sets prefillq's
+# (`model.runtime.cuda_graphs`) process-wide, and MLX reads them once, so the peers run in a
+# child process with these: each side is measured as it ships.
+MLX_GRAPH_DEFAULTS = {"MLX_MAX_OPS_PER_BUFFER": "20", "MLX_CUDA_GRAPH_CACHE_SIZE": "100"}
+
+
+def measure_in_child(rec: Recorder, cases: Iterable[tuple[int, int]], repeats: int) -> Peers:
+    """`measure` in ``python -m bench.gpu_peers`` under `MLX_GRAPH_DEFAULTS`; its records
+    are recorded here (with ``mlx_env``) and its peers returned. A child that fails leaves a
+    ``gpu_prefill_error`` record and no peers."""
+    argv = [sys.executable, "-m", "bench.gpu_peers", "--repeats", str(repeats),
+            *[f"{n}:{chunk}" for n, chunk in cases]]
+    env = {**os.environ, **MLX_GRAPH_DEFAULTS}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    sys.stderr.write(done.stderr)
+    peers: Peers = {}
+    for line in done.stdout.splitlines():
+        if not line.startswith("{"):
+            continue  # a library's own print
+        record = json.loads(line)
+        record.pop("holds", None)
+        rec(record.pop("metric"), record.pop("value"), record.pop("unit"),
+            mlx_env=MLX_GRAPH_DEFAULTS, **record)
+        if record.get("impl") and rec.records[-1]["metric"] == "gpu_prefill_tok_s":
+            peers[(record["impl"], record["n_tokens"], record["chunk_tokens"])] = \
+                rec.records[-1]["value"]
+    if done.returncode:
+        rec("gpu_prefill_error", 0.0, "none", impl="peers (child process)",
+            error=done.stderr[-ERROR_CHARS:])
+    return peers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.gpu_peers [--repeats R] N:CHUNK ...``: `measure` at those cases,
+    one JSON record a line on stdout (what `measure_in_child` reads)."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_peers")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("cases", nargs="+", help="N:CHUNK, e.g. 8192:2048")
+    args = p.parse_args(argv)
+    cases = [tuple(int(v) for v in case.split(":")) for case in args.cases]
+    measure(Recorder(True, {}), cases, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

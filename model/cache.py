@@ -16,6 +16,8 @@ The commit-after-success contract follows hf2q's ``Deepseek4Cache``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -250,6 +252,18 @@ class CommittedCache:
         """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
         self.check_chunk(n_tokens)
         self.position += n_tokens
+
+    @contextmanager
+    def ahead(self, n_tokens: int) -> Iterator[None]:
+        """Inside, the position reads `n_tokens` further: the next chunk is built after a
+        launched chunk of `n_tokens` that is not committed yet (`Prefill.run`'s two chunks in
+        flight). The committed position is back on exit; `commit` advances it once the
+        launched chunk has evaluated."""
+        self.position += n_tokens
+        try:
+            yield
+        finally:
+            self.position -= n_tokens
 
     def poison(self) -> None:
         self._poisoned = True

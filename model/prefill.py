@@ -63,7 +63,7 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
                  logprobs: PromptLogprobs | None = None) -> tuple[mx.array, tuple]:
     """Build the forward pass of `token_ids` at ``cache.position`` and start evaluating it
     (``mx.async_eval``) without waiting; `finish_chunk` waits and commits. Nothing else may
-    touch `cache` in between.
+    touch `cache` in between but building the next chunk ahead of it (`Prefill.run`).
 
     Args:
         logprobs: a job's prompt log-probabilities: the head also runs on every position.
@@ -100,13 +100,18 @@ def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
     Raises:
         Anything the forward pass raises, after poisoning the cache.
     """
+    eval_or_poison(cache, hidden, *head, cache.arrays())
+    cache.commit(n_tokens)
+    return hidden
+
+
+def eval_or_poison(cache: ModelCache, *arrays) -> None:
+    """``mx.eval(*arrays)``; whatever it raises poisons `cache` first."""
     try:
-        mx.eval(hidden, *head, cache.arrays())
+        mx.eval(*arrays)
     except BaseException:
         cache.poison()
         raise
-    cache.commit(n_tokens)
-    return hidden
 
 
 @dataclass
@@ -228,46 +233,42 @@ class Prefill:
         return start, end, out, time.perf_counter() - t0, t0
 
     def run(self) -> np.ndarray:
-        """Run every remaining chunk and return the final logits.
+        """Run every remaining chunk; returns the final logits, float32 ``(vocab,)``.
 
-        Two chunks are in flight: chunk k + 1 is built and launched while chunk k runs (MLX
-        chains them through the cache's lazy arrays), so the host's graph building, which
-        bounds a 2,048-token chunk on a GPU (`bench.gpu_ablate`), overlaps the device. The
-        cursor advances at each launch; a failed chunk poisons the cache, as in `step`.
-        """
+        Chunk k + 1 is built and launched while chunk k runs (MLX chains them through the
+        cache's lazy arrays; `CommittedCache.ahead`), so the host's graph building, which
+        bounds a 2,048-token GPU chunk (`bench.gpu_ablate`), overlaps the device. A chunk
+        commits once it evaluated. Raises as `step` (a failed chunk poisons the cache)."""
         if self.launched:
             self.step()
-        pending = None
+        pending = None  # launched, not yet committed
         while pending is not None or not self.done:
-            ahead = self._launch_ahead() if not self.done else None
+            ahead = pending[1] - pending[0] if pending is not None else 0
+            launched = None
+            if self.cursor + ahead < self.n_tokens:
+                with self.cache.ahead(ahead):
+                    launched = self._launch_next()
             if pending is not None:
                 self._land(*pending)
-            pending = ahead
-        try:  # the last chunk's cache writes (earlier ones were read by the next chunk)
-            mx.eval(self.cache.arrays())
-        except BaseException:
-            self.cache.poison()
-            raise
+            pending = launched
+        # the last chunk's cache writes (earlier ones were read by the next chunk)
+        eval_or_poison(self.cache, self.cache.arrays())
         return self.logits()
 
-    def _launch_ahead(self) -> tuple:
-        start, end = self.plan.next_chunk(self.cursor)
+    def _launch_next(self) -> tuple:
+        start, end = self.plan.next_chunk(self.cache.position)
         began = time.perf_counter()
         hidden, head = launch_chunk(self.model, self.cache, self.token_ids[start:end],
                                     self.logprobs)
-        self.cache.commit(end - start)
         self.compute_seconds += time.perf_counter() - began
-        return start, hidden, head, began
+        return start, end, hidden, head, began
 
-    def _land(self, start: int, hidden: mx.array, head: tuple, began: float) -> None:
-        # not the cache's arrays: slice assignment rebinds them to the next chunk's writes,
-        # and waiting for those would serialize the two chunks
+    def _land(self, start: int, end: int, hidden: mx.array, head: tuple, began: float
+              ) -> None:
+        # not the cache's arrays: the next chunk's writes rebind them (no overlap then)
         t0 = time.perf_counter()
-        try:
-            mx.eval(hidden, *head)
-        except BaseException:
-            self.cache.poison()
-            raise
+        eval_or_poison(self.cache, hidden, *head)
+        self.cache.commit(end - start)
         self._hidden = hidden
         if self.logprobs is not None:
             self.logprobs.record(start, head)

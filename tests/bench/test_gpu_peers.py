@@ -9,6 +9,8 @@ prefillq's weights, so the GPU run compares like with like.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -177,3 +179,39 @@ def test_hf_cases_record_both_attentions_at_tiny_shapes():
     peers = gpu_peers.hf_cases(rec, [N], repeats=1, args=TINY, device="cpu")
     assert set(peers) == {(impl, N, N) for impl in gpu_peers.HF_IMPLS.values()}
     assert all(r["metric"] == "gpu_prefill_tok_s" and r["transformers"] for r in rec.records)
+
+
+def test_the_peers_child_runs_under_mlx_graph_defaults_and_reports_back(monkeypatch):
+    """`measure_in_child`'s plumbing: the child gets MLX's own graph knobs, its records come
+    back with them, and a failed child is an error record, not a crash."""
+    seen = {}
+
+    def fake_run(argv, env, capture_output, text):  # the child, as a process would answer
+        seen.update(argv=argv, env=env)
+        out = json.dumps({"metric": "gpu_prefill_tok_s", "value": 1000.0, "unit": "tok/s",
+                          "impl": gpu_peers.MLX_LM, "n_tokens": 64, "chunk_tokens": 32})
+        return subprocess.CompletedProcess(argv, 0, "a library's line\n" + out + "\n", "")
+
+    monkeypatch.setattr(gpu_peers.subprocess, "run", fake_run)
+    rec = Recorder(False, {})
+    peers = gpu_peers.measure_in_child(rec, [(64, 32)], 2)
+    assert seen["argv"][1:] == ["-m", "bench.gpu_peers", "--repeats", "2", "64:32"]
+    assert all(seen["env"][k] == v for k, v in gpu_peers.MLX_GRAPH_DEFAULTS.items())
+    assert peers == {(gpu_peers.MLX_LM, 64, 32): 1000.0}
+    assert rec.records[0]["mlx_env"] == gpu_peers.MLX_GRAPH_DEFAULTS
+
+    monkeypatch.setattr(gpu_peers.subprocess, "run", lambda argv, **kw:
+                        subprocess.CompletedProcess(argv, 1, "", "Traceback: boom"))
+    rec = Recorder(False, {})
+    assert gpu_peers.measure_in_child(rec, [(64, 32)], 2) == {}
+    assert rec.records[-1]["metric"] == "gpu_prefill_error" and "boom" in rec.records[-1]["error"]
+
+
+def test_the_peers_module_runs_as_a_child(tmp_path):
+    """``python -m bench.gpu_peers`` for real: JSON lines only on stdout (none here when no
+    peer is importable, or the peers' records when they are)."""
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_peers", "--repeats", "1", "16:16"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for line in done.stdout.splitlines():
+        assert json.loads(line)["metric"] in ("gpu_prefill_tok_s", "gpu_prefill_error")

@@ -107,8 +107,21 @@ def test_a_chunk_failing_mid_run_poisons_the_cache(tiny):
                             context_length=tiny.context_length, chunk_tokens=16)
     with pytest.raises(RuntimeError, match="chunk failed"):
         prefill.run()
+    # the 3rd chunk failed to build while the 2nd ran: only the 1st ever committed
+    assert prefill.cursor == 16 and prefill.chunks_done == 1
     with pytest.raises(CachePoisoned):
         prefill.step()
     prefill.reset()
     model.n = 0  # no more failures
     np.testing.assert_array_equal(prefill.run(), stepped(tiny.start_prefill(IDS, chunk_tokens=16)))
+
+
+def test_a_chunk_built_ahead_sees_the_position_after_the_launched_one(tiny):
+    cache = tiny.model.make_cache(capacity=64)
+    cache.commit(10)
+    with cache.ahead(16):
+        assert cache.position == 26
+    assert cache.position == 10
+    with pytest.raises(KeyError), cache.ahead(5):
+        raise KeyError("restored on the way out too")
+    assert cache.position == 10
