@@ -10,17 +10,21 @@ Cases: Gemma 3 270M shapes at 8,192 and 32,768 tokens in 2,048- and 8,192-token 
 then DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick
 keeps the first of each. Each case is the fastest of 5 prefills after a warm-up one.
 
-Peers (`bench.gpu_peers`, skipped with --no-peers or when not importable), run before
-prefillq's cases: mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks, and HF
+Peers (`bench.gpu_peers`, skipped with --no-peers or when not importable), run first in a
+child process under MLX's own CUDA graph knobs (prefillq's own are set on importing
+`model`): mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks, and HF
 transformers' ``Gemma3ForCausalLM`` (``sdpa`` and ``flex_attention``) in one pass over each
 prompt length, all final-position logits only. prefillq's records carry ``over_mlx_lm``
 (same prompt and chunk) and ``over_hf_flex`` (same prompt). Then the attention
-micro-benchmark (`bench.gpu_attention.micro`: the fused kernel, MLX SDPA and torch SDPA;
---no-micro skips it).
+micro-benchmarks (`bench.gpu_attention.micro`: the fused kernel, MLX SDPA and torch SDPA;
+`bench.gpu_deepseek4.micro`: a ratio-4 layer's chunk three ways; --no-micro skips them),
+then the DeepSeek-V4 cases.
 
---check runs only the exactness checks (`bench.gpu_check.CHECKS`: the fused kernel against
-the unfused path at every supported shape, chunked prefill against one pass) and exits 0
-only if all pass; it needs a CUDA GPU.
+--check runs only the exactness checks (`bench.gpu_check.CHECKS`: the Gemma kernel against
+the unfused path at 13 shapes and 4 and 8 warps, chunked prefill against one pass, the
+DeepSeek-V4 kernel against `gathered_attention` at 5 shapes, and each DeepSeek-V4 attention
+layer kind against its masked dense form chunk by chunk) and exits 0 only if all pass; it
+needs a CUDA GPU.
 
 Throughput does not depend on weight values (routing aside), so the models are built at the
 real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
@@ -197,9 +201,10 @@ def parser() -> argparse.ArgumentParser:
                    help="skip mlx-lm and HF transformers (bench.gpu_peers)")
     p.add_argument("--no-micro", action="store_true",
                    help="skip the attention micro-benchmark (bench.gpu_attention.micro)")
-    p.add_argument("--deepseek4-layers", type=int, default=4,
+    p.add_argument("--deepseek4-layers", type=int, default=4, metavar="N",
                    help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="also write the context and every record here")
     return p
 
 
@@ -207,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.check and not fused_available():
-        p.error(f"--check needs a CUDA GPU with the fused attention kernel on: MLX's default "
-                f"device is {mx.default_device()} (${FUSED_ENV} must not be 0)")
+        why = (f"${FUSED_ENV}=0 turns the kernels off" if os.environ.get(FUSED_ENV) == "0"
+               else f"MLX's default device is {mx.default_device()}; install mlx[cuda13] on "
+                    "an NVIDIA GPU")
+        p.exit(2, f"{p.prog}: error: --check needs the fused CUDA kernels: {why}\n")
     if mx.default_device() != mx.gpu:
         p.error(f"no GPU: MLX's default device is {mx.default_device()} (install mlx[cuda13] "
                 "on NVIDIA, or run on Apple silicon)")

@@ -8,7 +8,7 @@ no fused attention above head dim 128 on CUDA, and a mask cannot express a per-q
 gather. This kernel (``sparse_attention.cu``: FlashAttention-2's forward pass on mma.sync
 tensor cores, bf16 in, fp32 accumulation) gathers each query's rows tile by tile and runs
 64 heads of one query per block, so the shared KV rows are read once per query, not once
-per head.
+per head (with `HEADS_PER_BLOCK` heads, as DeepSeek-V4-Flash's 64).
 
 `model.archs.deepseek4.sparse.gathered_attention` computes the same in MLX ops; it is the
 reference (`bench.gpu_check` compares them on the device) and the path on other devices.
@@ -73,9 +73,12 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
 
     Args:
         q: bf16 ``(1, H, L, D)``, H a multiple of `HEADS_PER_BLOCK`, D in `HEAD_DIMS`, its
-            last dimension contiguous.
+            last dimension contiguous and rows 16-byte aligned (the kernel loads 16 bytes
+            at a time; MLX's allocations and slices along the other axes are).
         kv: bf16 ``(N, D)``, the shared key (= value) rows.
-        idx: int32 ``(L, K)``, rows of `kv` for each query; -1 marks an empty slot.
+        idx: int32 ``(L, K)``, rows of `kv` for each query; -1 marks an empty slot. Rows
+            must be below N: not checked here (it would cost a device sync), and the
+            kernel would read past `kv`; `model.archs.deepseek4.sparse` builds them.
         sinks: ``(H,)``, the per-head sink logits (cast to float32).
         scale: the score scale.
         block_n: key slots per step (16 or 32).
@@ -83,8 +86,11 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
         bf16 ``(L, H, D)``, equal to `model.archs.deepseek4.sparse.gathered_attention`
         within bf16 rounding (`bench.gpu_check`). A query with no key gets zeros.
     Raises:
-        ValueError: inputs `supports` refuses, or `idx` not ``(L, K)``.
+        ValueError: inputs `supports` refuses, `idx` not ``(L, K)``, or `block_n` not 16
+            or 32.
     """
+    if block_n not in (16, 32):
+        raise ValueError(f"block_n must be 16 or 32 key slots per step; got {block_n}")
     if not supports(q, kv):
         raise ValueError(f"sparse_attention takes bf16, head dim in {HEAD_DIMS}, heads in "
                          f"multiples of {HEADS_PER_BLOCK} and one batch; got {q.dtype} q "

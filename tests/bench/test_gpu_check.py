@@ -82,6 +82,8 @@ def test_check_without_a_cuda_gpu_is_a_one_line_error():
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("python -m bench.gpu: error: --check needs a CUDA GPU"), last
-    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # no usage block, no traceback
+    assert lines[0].startswith("python -m bench.gpu: error: --check needs the fused CUDA "
+                               "kernels: MLX's default device is Device(cpu"), lines[0]
+    assert "mlx[cuda13]" in lines[0]

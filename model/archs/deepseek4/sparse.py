@@ -21,8 +21,10 @@ GATHER_BUDGET = 1 << 26
 
 
 def window_slots(L: int, n_prev: int, window: int) -> mx.array:
-    """int32 ``(L, window)``: query ``i``'s window keys ``(p - window, p]`` as rows of the
-    keys (row ``r`` holds position ``position - n_prev + r``); -1 before the first key."""
+    """int32 ``(L, window)``: the window of each of a chunk's `L` queries as rows of its
+    keys. The keys are the `n_prev` rows before the chunk, then the chunk's, so the chunk's
+    query ``i`` sits at row ``n_prev + i`` and sees rows ``(n_prev + i - window, n_prev +
+    i]``; a slot before row 0 (the prompt's start) is -1."""
     rows = mx.arange(L)[:, None] + (n_prev - window + 1) + mx.arange(window)[None, :]
     return mx.where(rows >= 0, rows, -1).astype(mx.int32)
 
@@ -59,7 +61,9 @@ def gathered_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array
         scale: score scale.
         budget: gathered elements at once (``queries x K x D``); more run in blocks.
     Returns:
-        ``(L, H, D)`` in q's dtype; zeros for a query with no key.
+        ``(L, H, D)`` in q's dtype, computed in float32; zeros for a query with no key.
+        Rows must be below N; they are not checked (callers build `idx` with
+        `window_slots` and `compressed_slots`).
     """
     L, K = idx.shape
     qt = q[0].transpose(1, 0, 2)  # (L, H, D)
