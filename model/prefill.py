@@ -3,8 +3,7 @@
 mlx-lm's prefill loop (slice, forward, ``mx.eval`` the cache, report progress) turned inside
 out so a queue can run one chunk per call, interleave jobs between calls and stop a job at
 any chunk boundary. Logits are computed once, for the last position, after the last chunk
-(a job that asks for prompt log-probabilities also runs the head on every position of each
-chunk: `model.logprobs`).
+(prompt log-probabilities run the head on every position of each chunk: `model.logprobs`).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 import numpy as np
 
+from .cache import CachePoisoned
 from .cache_state import CacheState, dtype_name
 from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
@@ -122,11 +122,8 @@ class TopToken:
 
 
 def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
-    """The `k` highest logits, highest first, with log-softmax over the whole vocabulary.
-
-    Args:
-        logits: float32 ``(vocab,)``.
-    """
+    """The `k` highest of `logits` (float32 ``(vocab,)``), highest first, with log-softmax
+    over the whole vocabulary."""
     k = max(0, min(k, logits.shape[0]))
     if k == 0:
         return []
@@ -235,10 +232,11 @@ class Prefill:
     def run(self) -> np.ndarray:
         """Run every remaining chunk; returns the final logits, float32 ``(vocab,)``.
 
-        Chunk k + 1 is built and launched while chunk k runs (MLX chains them through the
-        cache's lazy arrays; `CommittedCache.ahead`), so the host's graph building, which
-        bounds a 2,048-token GPU chunk (`bench.gpu_ablate`), overlaps the device. A chunk
-        commits once it evaluated. Raises as `step` (a failed chunk poisons the cache)."""
+        Chunk k + 1 is built and launched while chunk k runs (`CommittedCache.ahead`), so
+        the host's graph building, which bounds a 2,048-token GPU chunk, overlaps the device.
+        A chunk commits once its outputs evaluated; cache writes off their path (a sliding
+        ring's) evaluate with the next chunk or at the end, and any failure poisons the
+        cache. Raises as `step`."""
         if self.launched:
             self.step()
         pending = None  # launched, not yet committed
@@ -282,10 +280,12 @@ class Prefill:
         (its entry n: `PromptLogprobs.finish`).
 
         Raises:
-            RuntimeError: the prefill is not done.
+            RuntimeError: the prefill is not done. CachePoisoned: a chunk failed (`reset`).
         """
         if not self.done or self._hidden is None:
             raise RuntimeError(f"prefill at {self.cursor}/{self.n_tokens} has no logits yet")
+        if self.cache.is_poisoned:
+            raise CachePoisoned("a chunk of this prefill failed: reset it first")
         logits = np.array(self.model.logits(self._hidden).astype(mx.float32)[0])
         if self.logprobs is not None and self.logprobs.filled < self.n_tokens:
             self.logprobs.finish(logits)

@@ -125,3 +125,14 @@ def test_a_chunk_built_ahead_sees_the_position_after_the_launched_one(tiny):
     with pytest.raises(KeyError), cache.ahead(5):
         raise KeyError("restored on the way out too")
     assert cache.position == 10
+
+
+def test_a_poisoned_prefill_gives_no_logits(tiny):
+    # run()'s last cache writes evaluate after the last commit: if they failed, the cache is
+    # poisoned at cursor n, and its logits must not be served
+    prefill = tiny.start_prefill(IDS, chunk_tokens=16)
+    prefill.run()
+    prefill.cache.poison()
+    assert prefill.done
+    with pytest.raises(CachePoisoned):
+        prefill.logits()
