@@ -17,8 +17,7 @@ per-query key-list kernel (`model.kernels.sparse_attention`).
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from unittest import mock
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -76,11 +75,13 @@ def check_sparse_kernel(rec: Recorder) -> bool:
 @contextmanager
 def masked_dense():
     """DeepSeek-V4 attention as it ran before the kernel: MLX's attention over every key
-    under a mask (compressed rows included), no gathering."""
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(sa, "applies", lambda q, kv: False))
-        stack.enter_context(mock.patch.object(ds_model.Attention, "gather_top_k", False))
+    under a mask (compressed rows included), no gathering; restored on exit."""
+    saved = sa.applies, ds_model.Attention.gather_top_k
+    sa.applies, ds_model.Attention.gather_top_k = (lambda q, kv: False), False
+    try:
         yield
+    finally:
+        sa.applies, ds_model.Attention.gather_top_k = saved
 
 
 def _layer_outputs(model, layer: int, xs: list[mx.array]) -> list[mx.array]:
