@@ -37,6 +37,21 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def connect(redis_server):
+    """A connection factory to the session's real redis-server, flushed for this test."""
+    import redis
+
+    redis.Redis.from_url(redis_server).flushall()
+    return lambda: redis.Redis.from_url(redis_server)
+
+
+@pytest.fixture
+def anyio_backend():
+    """The event loop of ``pytest.mark.anyio`` tests: asyncio, as the clients use."""
+    return "asyncio"
+
+
 @pytest.fixture(params=["fakeredis", "redis"])
 def redis_conn(request):
     """A clean connection factory: fakeredis (with Lua) or the real server, per test.

@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import redis
 
 from jobs import JobFailed, JobState, PrefillClient
 from worker.worker import PrefillWorker
@@ -20,12 +19,6 @@ CHAT = [
     {"role": "assistant", "content": "Paris."},
     {"role": "user", "content": "And the capital of Italy?"},
 ]
-
-
-@pytest.fixture
-def connect(redis_server):
-    redis.Redis.from_url(redis_server).flushall()
-    return lambda: redis.Redis.from_url(redis_server)
 
 
 def serve(connect, models: dict) -> PrefillWorker:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import signal
 
 import numpy as np
-import pytest
-import redis
 
 from jobs import JobState, PrefillClient, keys
 from tests.model.test_gemma3 import CHUNKED_MAX_DIFF
@@ -29,12 +27,6 @@ TURNS = [
     ("And the capital of Italy?", "Rome. It was the centre of the Roman Empire."),
     ("And of Spain?", None),
 ]
-
-
-@pytest.fixture
-def connect(redis_server):
-    redis.Redis.from_url(redis_server).flushall()
-    return lambda: redis.Redis.from_url(redis_server)
 
 
 def chat_turns() -> list[list[dict]]:

@@ -16,7 +16,6 @@ import time
 import zlib
 
 import pytest
-import redis
 
 from jobs import (
     AsyncPrefillClient,
@@ -35,29 +34,10 @@ from jobs import (
 )
 from jobs.queues import intake_queue, job_id_of, sticky_queue
 from jobs.serializer import unpackb
-from tests.worker.helpers import CHUNK, MODEL, assert_logits_match, ids
+from tests.worker.helpers import MODEL, assert_logits_match, ids
 from worker.redis_server import calls_since, command_calls
-from worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-def connect(redis_server):
-    redis.Redis.from_url(redis_server).flushall()
-    return lambda: redis.Redis.from_url(redis_server)
-
-
-@pytest.fixture
-def worker(connect, tiny):
-    w = PrefillWorker({MODEL: tiny}, connect(), name="w1", chunk_tokens=CHUNK)
-    w.register_models()
-    return w
 
 
 @pytest.fixture

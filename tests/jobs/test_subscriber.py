@@ -19,29 +19,10 @@ from redis.asyncio import Redis
 from jobs import AsyncPrefillClient, JobCanceled, JobNotFound, JobTimeout, PrefillClient, keys
 from jobs.protocol import WATCH_RECHECK_S
 from jobs.subscriber import Subscriber
-from tests.worker.helpers import CHUNK, MODEL, ids
+from tests.worker.helpers import MODEL, ids
 from worker.redis_server import RedisServer
-from worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
-def connect(redis_server):
-    redis.Redis.from_url(redis_server).flushall()
-    return lambda: redis.Redis.from_url(redis_server)
-
-
-@pytest.fixture
-def worker(connect, tiny):
-    w = PrefillWorker({MODEL: tiny}, connect(), name="w1", chunk_tokens=CHUNK)
-    w.register_models()
-    return w
 
 
 @pytest.fixture

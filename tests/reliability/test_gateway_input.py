@@ -20,11 +20,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 async def http(redis_server):
     redis.Redis.from_url(redis_server).flushall()
     app = create_app(AsyncPrefillClient.from_url(redis_server))

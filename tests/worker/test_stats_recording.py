@@ -183,11 +183,6 @@ def test_stats_writes_that_fail_never_fail_the_job(setup, tiny):
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_the_async_client_counts_and_reads_as_the_sync_one(redis_server, tiny):
     import redis as sync_redis

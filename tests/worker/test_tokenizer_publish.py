@@ -32,12 +32,6 @@ TEXT = "<start_of_turn>user\nthe capital of France is<end_of_turn>  \n\n"
 
 
 @pytest.fixture
-def connect(redis_server):
-    redis.Redis.from_url(redis_server).flushall()
-    return lambda: redis.Redis.from_url(redis_server)
-
-
-@pytest.fixture
 def builds(tiny, monkeypatch):
     """Counts the calls of the tiny model's `Tokenizer.published` (building a blob)."""
     calls = []
@@ -132,11 +126,6 @@ def test_sync_client_errors(connect, tiny):
         client.tokenizer(MODEL)
     conn.set(key, blob)  # a failure is not cached
     assert_tokenizes_like(client.tokenizer(MODEL), tiny)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.mark.anyio
