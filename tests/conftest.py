@@ -11,6 +11,10 @@ from worker.redis_server import RedisServer
 
 DATA = Path(__file__).parent / "data"
 
+# `server` (a redis-server with AOF per test) and `workers` (worker processes on it), for
+# the integration and reliability suites
+pytest_plugins = ["tests.integration.processes"]
+
 
 @pytest.fixture(scope="session")
 def reference_cases() -> list[dict]:

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from jobs import PrefillClient, keys
-from worker.redis_server import free_port
+from worker.faults import FAULTS_ENV
+from worker.redis_server import RedisServer, free_port
 
 MODEL = "gemma3-tiny"
 
@@ -122,3 +123,30 @@ def long_job_in_flight(client: PrefillClient, worker: WorkerProcess, seed: int,
 def expected_top(tiny, token_ids, k):
     logits = tiny.start_prefill(token_ids).run()
     return np.argsort(-logits)[:k].tolist(), logits
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real redis-server with AOF on, for one test."""
+    srv = RedisServer(tmp_path, appendonly=True).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def workers(server, tmp_path):
+    """``start(name, *args, faults=None, url=None)``: a worker process on `server` (or on
+    `url`), with ``$PREFILLQ_FAULTS`` set to `faults` when given; all are stopped at the
+    end."""
+    started = []
+
+    def start(name: str, *extra: str, faults: str | None = None,
+              url: str | None = None) -> WorkerProcess:
+        env = None if faults is None else {FAULTS_ENV: faults}
+        w = WorkerProcess(url or server.url, name, tmp_path, *extra, env=env)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
