@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -117,6 +119,18 @@ def git_commit() -> str:
     context line."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
+
+
+def machine_context(suite: str, redis: bool = False) -> dict:
+    """The start of a results file's context line: date, commit, machine, 1-minute load
+    average, `suite`, and with `redis` the ``redis-server --version`` the run used."""
+    context = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+               "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
+               "load_average_1m": round(os.getloadavg()[0], 2)}
+    if redis:
+        context["redis"] = subprocess.run(["redis-server", "--version"], capture_output=True,
+                                          text=True).stdout.strip()
+    return context | {"suite": suite}
 
 
 def log(message: str) -> None:

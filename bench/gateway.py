@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,7 @@ import httpx
 from jobs import AsyncPrefillClient, PrefillClient, keys
 from worker.redis_server import RedisServer, free_port
 
-from .common import Recorder, git_commit, log, prompt_ids, refuse_existing
+from .common import Recorder, log, machine_context, prompt_ids, refuse_existing
 
 SCORING_TOKENS = 256
 SHORT_TOKENS = 16
@@ -189,10 +187,7 @@ def measure(rec: Recorder, model: str, rounds: int = ROUNDS, poll_seconds: float
 
 
 def _context(model: str) -> dict:
-    return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
-            "load_average_1m": round(os.getloadavg()[0], 2), "suite": "gateway",
-            "model": model}
+    return machine_context("gateway") | {"model": model}
 
 
 def main(argv: list[str] | None = None) -> int:

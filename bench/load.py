@@ -21,10 +21,7 @@ env (``env $(python -m model.runtime.blas)``); the workers inherit it.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import random
-import subprocess
 import tempfile
 import threading
 import time
@@ -38,7 +35,7 @@ import redis
 from jobs import JobStatus, PrefillClient, keys, protocol, stats
 from worker.redis_server import RedisServer
 
-from .common import Recorder, git_commit, log, refuse_existing
+from .common import Recorder, log, machine_context, refuse_existing
 from .observe import EventCounter, MemorySampler, keyspace, memory_now
 from .scale import WorkerFleet
 
@@ -295,16 +292,11 @@ def worker_args(cfg: LoadConfig) -> list[str]:
 
 
 def _context(cfg: LoadConfig) -> dict:
-    redis_version = subprocess.run(["redis-server", "--version"], capture_output=True,
-                                   text=True).stdout.strip()
-    return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "redis": redis_version, "suite": "load", "jobs": cfg.jobs,
-            "workers": cfg.workers, "clients": cfg.clients, "model": cfg.model,
-            "chunk_tokens": cfg.chunk_tokens, "ttl_s": cfg.ttl_s,
-            "warmup_jobs": cfg.warmup_jobs, "length_classes": LENGTH_CLASSES,
-            "class_shares": CLASS_SHARES, "idempotent_every": IDEMPOTENT_EVERY}
+    return machine_context("load", redis=True) | {
+        "jobs": cfg.jobs, "workers": cfg.workers, "clients": cfg.clients, "model": cfg.model,
+        "chunk_tokens": cfg.chunk_tokens, "ttl_s": cfg.ttl_s, "warmup_jobs": cfg.warmup_jobs,
+        "length_classes": LENGTH_CLASSES, "class_shares": CLASS_SHARES,
+        "idempotent_every": IDEMPOTENT_EVERY}
 
 
 def build_parser() -> argparse.ArgumentParser:

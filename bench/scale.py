@@ -15,7 +15,6 @@ CPU per chunk is the number that carries over to fast workers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import signal
@@ -33,7 +32,7 @@ from jobs.defaults import DEFAULT_MAX_ACTIVE
 from jobs.queues import intake_depth
 from worker.redis_server import RedisServer, calls_by_command
 
-from .common import Recorder, git_commit, log, refuse_existing
+from .common import Recorder, log, machine_context, refuse_existing
 
 MODEL = "gemma3-tiny"
 CHUNK_TOKENS = 16
@@ -229,14 +228,9 @@ def report(rec: Recorder, args: argparse.Namespace, w: Window) -> None:
 
 
 def _context(args: argparse.Namespace) -> dict:
-    redis_version = subprocess.run(["redis-server", "--version"], capture_output=True,
-                                   text=True).stdout.strip()
-    return {"date": datetime.date.today().isoformat(), "commit": git_commit(),
-            "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "redis": redis_version, "suite": "scale", "workers": args.workers,
-            "jobs": args.jobs, "chunks_per_job": args.chunks_per_job,
-            "warmup_s": args.warmup, "window_s": args.seconds}
+    return machine_context("scale", redis=True) | {
+        "workers": args.workers, "jobs": args.jobs, "chunks_per_job": args.chunks_per_job,
+        "warmup_s": args.warmup, "window_s": args.seconds}
 
 
 def build_parser() -> argparse.ArgumentParser:
