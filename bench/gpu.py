@@ -239,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_micro and fused_available():
         micro(rec)
         gpu_deepseek4.micro(rec)
+        gpu_deepseek4.experts_micro(rec)
     elif not args.no_micro:
         log("the attention micro-benchmark needs the fused kernel (a CUDA GPU): skipped")
     if args.deepseek4_layers:
         for n, chunk in ((8192, 2048),) if args.quick else ((8192, 2048), (32_768, 2048)):
             deepseek4_case(rec, ceiling, args.deepseek4_layers, n, chunk)
+        if not args.quick:
+            gpu_deepseek4.ablate(rec, n_layers=args.deepseek4_layers)
     return 0
 
 

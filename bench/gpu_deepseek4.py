@@ -10,24 +10,37 @@ per-query key-list kernel (`model.kernels.sparse_attention`).
   path (the kernel, the indexer's top-k rows gathered) and through the masked dense form
   (MLX attention over every compressed row under a mask), each with its own cache; every
   chunk's output within `LAYER_TOLERANCE`.
+- `check_rope_kernel`: the fused RoPE (`model.kernels.rope`, with and without the queries'
+  norm, forward and inverse) against the MLX-ops form in float32 on the same bf16 inputs,
+  at the queries', keys', outputs' and indexer queries' shapes.
+- `check_padded_experts`: the routed experts' GPU path (`MoE._padded`, batched matmuls
+  over padded expert rows) and its fallback (`MoE._gathered`, ``gather_mm``) against float32
+  host-grouped matmuls on the same bf16 inputs, 64 experts of Flash's width.
 - `micro`: one ratio-4 layer's attention for a 2,048-token chunk at 8K (window 128 + top-k
   512 per query): the kernel, `gathered_attention` in MLX ops, and the masked dense MLX
   attention the model ran before.
+- `experts_micro`: one layer's routed experts (256 of them, top-6) for a 2,048-token chunk,
+  padded and through ``gather_mm``.
+- `ablate`: DeepSeek-V4-Flash's first 4 layers, the whole prefill with one part taken back
+  each (``gather_mm`` experts, MLX-ops RoPE, RoPE angles made on the host per call), the
+  variants alternating in one process (`bench.common.interleaved`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import mlx.core as mx
 import numpy as np
 
 from model.archs import deepseek4
+from model.archs.deepseek4 import layers as ds_layers
 from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4.sparse import gathered_attention
+from model.kernels import rope as fused_rope
 from model.kernels import sparse_attention as sa
 
-from .common import Recorder, log
+from .common import Recorder, interleaved, log
 from .gpu_attention import BF16_TOLERANCE, _seconds
 
 H, D = 64, 512
@@ -149,3 +162,129 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
         rec("deepseek4_attention_seconds", s, "s", impl=impl, queries=L, position=position,
             slots=window + topk, keys=N, tflops_useful=round(flops / s / 1e12, 1))
     log("deepseek4 attention micro-benchmark done")
+
+
+def _routed_inputs(args, L: int, dtype: mx.Dtype, seed: int = 0):
+    """A routed MoE layer at `args`' widths with random `dtype` expert weights (std 0.02),
+    and a chunk's `L` tokens: ``x`` ``(L, H)``, top-k ids ``(L, k)``, weights ``(L, k)``."""
+    moe = deepseek4.MoE(args, layer=args.num_hash_layers)
+    E, F, Hd, k = (args.n_routed_experts, args.moe_intermediate_size, args.hidden_size,
+                   args.num_experts_per_tok)
+    keys = mx.random.split(mx.random.key(seed), 5)
+    for key, name, shape in zip(keys, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                                ((E, F, Hd), (E, F, Hd), (E, Hd, F)), strict=False):
+        getattr(moe, name).weight = (mx.random.normal(shape, key=key) * 0.02).astype(dtype)
+    x = mx.random.normal((L, Hd), key=keys[3]).astype(dtype)
+    inds = mx.argsort(mx.random.uniform(shape=(L, E), key=keys[4]), axis=-1)[:, :k]
+    weights = mx.full((L, k), 1.0 / k, dtype=dtype)
+    return moe, x, inds.astype(mx.int32), weights
+
+
+def check_padded_experts(rec: Recorder, L: int = 512, args=None,
+                         dtype: mx.Dtype = mx.bfloat16) -> bool:
+    """Both GPU expert paths against float32 host-grouped matmuls (`MoE._grouped`) on the
+    same `dtype` inputs: `L` tokens over `args`' experts (default Flash's width with 64
+    experts: ~48 rows each, as a 2,048-token chunk over 256), max |difference| over max
+    |reference| within `BF16_TOLERANCE` (a CPU test passes float32: MLX's CPU ``gather_mm``
+    takes nothing else)."""
+    args = args or deepseek4.flash_args(n_routed_experts=64)
+    n_experts = args.n_routed_experts
+    moe, x, inds, weights = _routed_inputs(args, L, dtype)
+    ref_moe = deepseek4.MoE(args, layer=args.num_hash_layers)
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        getattr(ref_moe, name).weight = getattr(moe, name).weight.astype(mx.float32)
+    ref = ref_moe._grouped(x.astype(mx.float32), inds, weights.astype(mx.float32))
+    ok = True
+    for path, fn in (("padded", moe._padded), ("gathered", moe._gathered)):
+        out = fn(x, inds, weights).astype(mx.float32)
+        diff = float(mx.abs(out - ref).max() / mx.abs(ref).max())
+        good = diff <= BF16_TOLERANCE and not mx.isnan(out).any().item()
+        ok &= good
+        rec("deepseek4_experts_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
+            path=path, tokens=L, experts=n_experts, top_k=args.num_experts_per_tok)
+    return ok
+
+
+def experts_micro(rec: Recorder, L: int = 2048) -> None:
+    """One layer's routed experts at DeepSeek-V4-Flash shapes (256 experts of 4096 x 2048,
+    top-6) for an `L`-token chunk, each path the best of 5 after a warm-up."""
+    args = deepseek4.flash_args()
+    moe, x, inds, weights = _routed_inputs(args, L, mx.bfloat16)
+    E, F, Hd, k = (args.n_routed_experts, args.moe_intermediate_size, args.hidden_size,
+                   args.num_experts_per_tok)
+    flops = 2 * 3 * L * k * F * Hd
+    weight_bytes = 3 * E * F * Hd * 2
+    for path, fn in (("padded", moe._padded), ("gathered", moe._gathered)):
+        s = _seconds(lambda fn=fn: fn(x, inds, weights))
+        rec("deepseek4_experts_seconds", s, "s", path=path, tokens=L, experts=E, top_k=k,
+            tflops_useful=round(flops / s / 1e12, 1),
+            weights_tb_s=round(weight_bytes / s / 1e12, 2))
+    log("deepseek4 experts micro-benchmark done")
+
+
+ROPE_CHECKS = [  # (L, rows per position, D, norm, inverse): queries, outputs, keys, indexer
+    (2048, 64, 512, True, False), (2048, 64, 512, False, True), (37, 1, 512, False, False),
+    (2048, 64, 128, False, False), (5, 64, 512, True, True)]
+
+
+def check_rope_kernel(rec: Recorder, position: int = 6000) -> bool:
+    """`model.kernels.rope` against `layers.rope`'s MLX ops in float32 on the same bf16
+    inputs (DeepSeek-V4-Flash's 64 rotated dims, its compressed layers' YaRN frequencies),
+    max |difference| over max |reference| within `BF16_TOLERANCE`."""
+    args = deepseek4.flash_args()
+    inv_freq = ds_layers.rope_inv_freq(args, 4)
+    ok = True
+    for L, N, D, norm, inverse in ROPE_CHECKS:
+        x = mx.random.normal((1, L, N, D), key=mx.random.key(L + D)).astype(mx.bfloat16)
+        positions = np.arange(position, position + L)
+        eps = args.rms_norm_eps if norm else None
+        fused = fused_rope.applies(x, args.rope_dim)  # else both sides are MLX ops
+        ours = ds_layers.rope(x, positions, inv_freq, inverse, eps).astype(mx.float32)
+        ref = ds_layers.rope(x.astype(mx.float32), positions, inv_freq, inverse, eps)
+        diff = float(mx.abs(ours - ref).max() / mx.abs(ref).max())
+        good = fused and diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
+        ok &= good
+        rec("deepseek4_rope_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
+            positions=L, rows_per_position=N, dims=D, norm=norm, inverse=inverse,
+            fused=fused)
+    return ok
+
+
+def _host_angles(inv_freq, positions):
+    """`layers.angle_table` as it was: every call's cos and sin made from host arrays."""
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+
+
+ABLATIONS = {  # variant: (owner, attribute, replacement), or None for the product's path
+    "baseline": None,
+    "experts_gathered": (deepseek4.moe, "expert_path", lambda: "gathered"),
+    "rope_ops": (fused_rope, "applies", lambda x, rope_dims: False),
+    "host_angle_tables": (ds_layers, "angle_table", _host_angles),
+}
+
+
+def ablate(rec: Recorder, n: int = 8192, chunk: int = 2048, repeats: int = 3,
+           n_layers: int = 4, args=None, dtype: mx.Dtype = mx.bfloat16) -> None:
+    """Tokens per second of each of `ABLATIONS` on the first `n_layers` layers of `args`
+    (default DeepSeek-V4-Flash; random `dtype` weights), `n` tokens in `chunk`-token
+    chunks, the variants alternating in one process, each the fastest of `repeats`, with
+    its ratio to ``baseline``."""
+    from .gpu import one_prefill_seconds
+    from .gpu_ablate import patched
+
+    net = deepseek4.dummy_model(args or deepseek4.flash_args(), n_layers=n_layers, dtype=dtype)
+
+    def run(patch):
+        def go():
+            with patched(*patch) if patch else nullcontext():
+                return one_prefill_seconds(net, n, chunk)
+        return go
+
+    runs = [run(patch) for patch in ABLATIONS.values()]
+    for go in runs:  # warm-up: kernels compiled, allocator grown
+        go()
+    seconds = interleaved(*runs, repeats=repeats)
+    for name, s in zip(ABLATIONS, seconds, strict=True):
+        rec("deepseek4_ablation_tok_s", n / s, "tok/s", variant=name, layers=n_layers,
+            n_tokens=n, chunk_tokens=chunk, over_baseline=round(seconds[0] / s, 3))

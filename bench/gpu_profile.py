@@ -6,7 +6,8 @@ Each listed module's ``__call__`` is wrapped to `mx.eval` its output and add the
 to its total, so the lazily built graph runs module by module (a little slower than the
 unprofiled prefill, which the last row gives for comparison). Times are inclusive: the
 attention's includes its compressor and indexer. One JSON line per module and case, plus
-the DeepSeek-V4 routed experts timed both ways (`MoE._gathered`, `MoE._grouped`).
+the DeepSeek-V4 prefill timed with each routed-experts path (`MoE._padded`, `MoE._gathered`,
+`MoE._grouped`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import mlx.core as mx
 
 from .common import Recorder, log
 from .gpu import gemma3_model, one_prefill_seconds, prefill_seconds
+
+EXPERT_PATHS = {"padded": "padded batched matmuls (host sync)", "gathered": "gather_mm",
+                "grouped": "host-grouped matmuls (host sync)"}
 
 
 def _outputs(value) -> list[mx.array]:
@@ -106,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.tokens:
         log(f"{label}, {n} tokens")
         profile_case(rec, label, ds, targets, n, args.chunk)
-    # the routed experts both ways, at the first case's length
-    n = args.tokens[0]
-    for grouped in (False, True):
-        deepseek4.moe.use_grouped_experts = lambda g=grouped: g
-        log(f"{label}, {n} tokens, grouped experts={grouped}")
+    # the routed experts each way, at the first case's length
+    n, chosen = args.tokens[0], deepseek4.moe.expert_path
+    for path in ("padded", "gathered", "grouped"):
+        deepseek4.moe.expert_path = lambda p=path: p
+        log(f"{label}, {n} tokens, experts {path}")
         seconds = prefill_seconds(ds, n, args.chunk, repeats=2)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", model=label, n_tokens=n,
-            chunk_tokens=args.chunk, experts="grouped (host sync)" if grouped else "gather_mm")
+            chunk_tokens=args.chunk, experts=EXPERT_PATHS[path])
+    deepseek4.moe.expert_path = chosen
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .flash_attention import HEADER, PAD, available
+from .flash_attention import HEADER, PAD, _float32s, available
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
 HEAD_DIMS = (512,)
@@ -101,7 +101,7 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
                          f"kv {kv.shape}")
     (out,) = _kernel(D, block_n)(
         inputs=[q, mx.contiguous(kv), mx.contiguous(idx.astype(mx.int32)),
-                sinks.astype(mx.float32), mx.array([scale], dtype=mx.float32)],
+                sinks.astype(mx.float32), _float32s(scale)],
         template=[("D", D), ("BLOCK_N", block_n), ("PAD", PAD)],
         grid=(L * 32 * WARPS, H // HEADS_PER_BLOCK, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(L, H, D)], output_dtypes=[q.dtype])

@@ -25,7 +25,9 @@ def test_checks_are_functions_of_a_recorder():
     assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
                                 gpu_check.chunked_equals_one_pass,
                                 gpu_deepseek4.check_sparse_kernel,
-                                gpu_deepseek4.check_gathered_layers]
+                                gpu_deepseek4.check_gathered_layers,
+                                gpu_deepseek4.check_rope_kernel,
+                                gpu_deepseek4.check_padded_experts]
     for check in gpu_check.CHECKS:
         params = list(inspect.signature(check).parameters.values())
         assert params[0].name == "rec"

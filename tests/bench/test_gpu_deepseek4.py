@@ -10,6 +10,7 @@ from bench import gpu_deepseek4
 from bench.common import Recorder
 from model.archs.deepseek4 import flash_args
 from model.archs.deepseek4 import model as ds_model
+from model.archs.deepseek4 import moe as ds_moe
 
 TINY = flash_args(hidden_size=64, num_attention_heads=4, head_dim=32, rope_dim=8,
                   q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8,
@@ -39,3 +40,39 @@ def test_the_layer_check_fails_on_a_wrong_key_list(monkeypatch):
                                                    dtype=mx.float32)
     failed = {r["ratio"] for r in rec.records if not r["holds"]}
     assert failed == {4}  # the only layer kind that gathers on the CPU
+
+
+def test_the_experts_check_passes_where_both_paths_are_exact():
+    """`check_padded_experts` at tiny widths on the CPU (float32: MLX's CPU gather_mm takes
+    nothing else); both paths hold."""
+    args = flash_args(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8)
+    rec = Recorder(False, {})
+    assert gpu_deepseek4.check_padded_experts(rec, L=64, args=args, dtype=mx.float32)
+    assert [r["path"] for r in rec.records] == ["padded", "gathered"]
+    assert all(r["holds"] for r in rec.records)
+
+
+def test_the_experts_check_fails_when_a_path_is_wrong(monkeypatch):
+    real = ds_moe.MoE._padded
+
+    def reversed_tokens(self, x, inds, weights):  # every token gets the last one's experts
+        return real(self, x, inds[::-1], weights)
+
+    monkeypatch.setattr(ds_moe.MoE, "_padded", reversed_tokens)
+    rec = Recorder(False, {})
+    args = flash_args(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8)
+    assert not gpu_deepseek4.check_padded_experts(rec, L=64, args=args, dtype=mx.float32)
+    assert [r["holds"] for r in rec.records] == [False, True]
+
+
+def test_the_ablation_runs_every_variant_and_restores_what_it_swaps():
+    from model.archs.deepseek4 import layers as ds_layers
+    from model.kernels import rope as fused_rope
+
+    swapped = (ds_moe.expert_path, fused_rope.applies, ds_layers.angle_table)
+    rec = Recorder(False, {})
+    gpu_deepseek4.ablate(rec, n=256, chunk=64, repeats=1, args=TINY, dtype=mx.float32)
+    assert [r["variant"] for r in rec.records] == list(gpu_deepseek4.ABLATIONS)
+    assert rec.records[0]["over_baseline"] == 1.0
+    assert all(r["value"] > 0 for r in rec.records)
+    assert (ds_moe.expert_path, fused_rope.applies, ds_layers.angle_table) == swapped

@@ -254,6 +254,52 @@ def test_query_blocks_equal_one_block(model, ids, one_pass, monkeypatch):
 
 
 def test_gather_mm_experts_equal_grouped(model, ids, one_pass, monkeypatch):
-    """The GPU expert path (``gather_mm`` over sorted rows), run here on the CPU."""
-    monkeypatch.setattr(ds_moe, "use_grouped_experts", lambda: False)
+    """The GPU fallback expert path (``gather_mm`` over sorted rows), run here on the CPU."""
+    monkeypatch.setattr(ds_moe, "expert_path", lambda: "gathered")
     assert_close(run_chunks(model, ids, 129), one_pass)
+
+
+def test_padded_experts_equal_grouped(model, ids, one_pass, monkeypatch):
+    """The GPU expert path (batched matmuls over padded rows), run here on the CPU: 129-token
+    chunks take the padded layout, the 3-token ones give way to ``gather_mm``."""
+    monkeypatch.setattr(ds_moe, "expert_path", lambda: "padded")
+    assert_close(run_chunks(model, ids, 129), one_pass)
+    assert_close(run_chunks(model, ids[:N_SHORT], 3), run_chunks(model, ids[:N_SHORT], N_SHORT))
+
+
+@pytest.mark.parametrize("seed, skew", [(0, 0.0), (1, 0.0), (2, 0.6)])
+def test_padded_experts_equal_grouped_at_the_module(seed, skew, monkeypatch):
+    """`MoE._padded` against `MoE._grouped` on one layer's routed experts, with uniform and
+    skewed expert ids (every expert's rows, the busiest one's padding, idle experts); the
+    skewed ids pad 8 experts to one's 64 rows (PAD_LIMIT raised to keep the padded layout)."""
+    monkeypatch.setattr(ds_moe, "PAD_LIMIT", 4.0)
+    args = ds.flash_args(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
+                         num_experts_per_tok=3, num_hash_layers=0)
+    moe = ds.MoE(args, layer=0)
+    rng = np.random.default_rng(seed)
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        shape = getattr(moe, name).weight.shape
+        getattr(moe, name).weight = mx.array(rng.standard_normal(shape, dtype=np.float32) * 0.2)
+    N, E, k = 64, 8, 3
+    probs = np.full(E, (1 - skew) / E)
+    probs[0] += skew
+    inds = np.stack([rng.choice(E, k, replace=False, p=probs) for _ in range(N)])
+    x = mx.array(rng.standard_normal((N, 32), dtype=np.float32))
+    w = mx.array(rng.random((N, k), dtype=np.float32))
+    cap = ds_moe.padded_capacity(np.bincount(inds.reshape(-1), minlength=E), N * k)
+    assert cap is not None  # the padded layout, not its fallback
+    got = np.array(moe._padded(x, mx.array(inds, dtype=mx.int32), w))
+    want = np.array(moe._grouped(x, mx.array(inds, dtype=mx.int32), w))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("counts, n_pairs, cap", [
+    ([48, 50, 33, 70], 201, 80),  # the busiest expert's 70 rows, rounded up to 80
+    ([16, 16], 32, 16),  # already a multiple of 16
+    ([40, 41, 40, 40], 161, 48),  # 4 x 48 = 192 rows <= 2 x 161
+    ([200, 1, 0, 0], 201, None),  # 4 x 208 rows > 2 x 201: skewed, gather_mm instead
+    ([1, 1, 1, 0], 3, None),  # a 3-pair chunk: 64 rows for 3
+    ([0, 0], 0, None),
+])
+def test_padded_capacity(counts, n_pairs, cap):
+    assert ds_moe.padded_capacity(np.array(counts), n_pairs) == cap

@@ -6,7 +6,7 @@ from .compressor import Compressor
 from .dummy import dummy_model
 from .indexer import Indexer
 from .model import ARCHITECTURE, Attention, Block, Model, ModelArgs, flash_args, load
-from .moe import MoE, use_grouped_experts
+from .moe import MoE, expert_path
 from .planning import Deepseek4CachePlan
 from .planning import plan as cache_plan
 
@@ -23,7 +23,7 @@ __all__ = [
     "MoE",
     "cache_plan",
     "dummy_model",
+    "expert_path",
     "flash_args",
     "load",
-    "use_grouped_experts",
 ]

@@ -41,7 +41,7 @@ class Compressor(nn.Module):
         off = r if self.coff == 2 else 0  # remainder slots follow the previous window
         kv_state = getattr(layer, f"{prefix}_kv_state")
         score_state = getattr(layer, f"{prefix}_score_state")
-        ape = self.ape.weight[mx.array(np.arange(position, position + L) % r)]
+        ape = self.ape.weight[mx.arange(position, position + L) % r]  # no host array
         kv = self.kv(x).astype(mx.float32)
         score = self.gate(x).astype(mx.float32) + ape
         rem, g0 = position % r, position // r

@@ -5,11 +5,14 @@ YaRN, and the mHC stream mixing (DeepSeek-V4 reference ``inference/model.py``:
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from ...kernels import rope as fused_rope
 
 if TYPE_CHECKING:
     from .model import ModelArgs
@@ -46,16 +49,57 @@ def rope_inv_freq(args: ModelArgs, ratio: int) -> np.ndarray:
     return freqs / args.rope_factor * (1 - smooth) + freqs * smooth
 
 
-def rope(x: mx.array, positions: np.ndarray, inv_freq: np.ndarray, inverse: bool = False):
+def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+    """float32 ``(L, R/2)`` cosines and sines of ``positions[l] * inv_freq[i]`` (computed in
+    float64).
+
+    Positions in arithmetic progression (a chunk's, or its compressed rows' ``g * ratio``)
+    are sliced from a device table of positions ``0 .. 2^k`` built once per `inv_freq`
+    (`_device_table`); others are computed for the call. Arrays made from host data in
+    every layer of every chunk cost the GPU prefill dearly: building one 2,048-token
+    chunk's graph of DeepSeek-V4-Flash's first 4 layers took 34-54 ms on the H200's host
+    with them (about 11 a layer) and 3-5 ms without, and the prefill ran 1.6x faster
+    (docs/benchmarks.md; `bench.gpu_deepseek4.ablate` measures it as
+    ``host_angle_tables``)."""
+    L = positions.shape[0]
+    step = int(positions[1] - positions[0]) if L > 1 else 1
+    start = int(positions[0]) if L else 0
+    affine = L > 0 and start >= 0 and step > 0 and np.array_equal(
+        positions, start + step * np.arange(L))
+    if not affine:
+        angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+        return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+    last = start + step * (L - 1)
+    cos, sin = _device_table(inv_freq.tobytes(), max(4096, 1 << last.bit_length()))
+    stop = last + 1
+    return cos[start:stop:step], sin[start:stop:step]
+
+
+@lru_cache(maxsize=8)
+def _device_table(inv_freq: bytes, length: int) -> tuple[mx.array, mx.array]:
+    """cos and sin of ``p * inv_freq`` for ``p < length``, float32 ``(length, R/2)``."""
+    angles = np.arange(length, dtype=np.float64)[:, None] * np.frombuffer(inv_freq)[None, :]
+    cos, sin = mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+    mx.eval(cos, sin)
+    return cos, sin
+
+
+def rope(x: mx.array, positions: np.ndarray, inv_freq: np.ndarray, inverse: bool = False,
+         norm_eps: float | None = None) -> mx.array:
     """Rotate interleaved pairs of the last ``2*len(inv_freq)`` dims of `x` ``(B, L, N, D)``
-    at `positions` ``(L,)``; `inverse` applies the conjugate rotation."""
+    at `positions` ``(L,)``; `inverse` applies the conjugate rotation. With `norm_eps`, each
+    row of D is first scaled by ``rsqrt(mean(row^2) + norm_eps)`` (the queries' weightless
+    norm). One CUDA kernel on a GPU in bf16 (`model.kernels.rope`), else MLX ops."""
     B, L, N, D = x.shape
     rd = 2 * inv_freq.shape[0]
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (L, rd/2)
-    cos = mx.array(np.cos(angles), dtype=x.dtype)[None, :, None, :]
-    sin = mx.array(np.sin(angles), dtype=x.dtype)[None, :, None, :]
+    cos, sin = angle_table(inv_freq, positions)
     if inverse:
         sin = -sin
+    if fused_rope.applies(x, rd):
+        return fused_rope.rope(x, cos, sin, norm_eps)
+    if norm_eps is not None:
+        x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + norm_eps)
+    cos, sin = cos.astype(x.dtype)[None, :, None, :], sin.astype(x.dtype)[None, :, None, :]
     pairs = x[..., D - rd :].reshape(B, L, N, rd // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(B, L, N, rd)

@@ -1,6 +1,12 @@
 """DeepSeek-V4 mixture of experts: sqrt-softplus routing (hash routing by token id on the
 first layers), clamped SwiGLU experts and a shared expert (DeepSeek-V4 reference
-``inference/model.py``, ``Gate``, ``Expert`` and ``MoE``)."""
+``inference/model.py``, ``Gate``, ``Expert`` and ``MoE``).
+
+The routed experts run one of three ways, each exact up to the matmuls' rounding
+(`expert_path`): host-grouped matmuls on the CPU; on a GPU, batched matmuls over a padded
+expert-major layout (`MoE._padded`), or ``gather_mm`` over expert-sorted rows when padding
+would cost too much (`padded_capacity`).
+"""
 
 from __future__ import annotations
 
@@ -60,7 +66,8 @@ class MoE(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         weights = (weights * a.routed_scaling_factor).astype(x.dtype)
         B, L, H = x.shape
-        routed = self._grouped if use_grouped_experts() else self._gathered
+        routed = {"grouped": self._grouped, "padded": self._padded,
+                  "gathered": self._gathered}[expert_path()]
         y = routed(x.reshape(B * L, H), inds.reshape(B * L, k), weights.reshape(B * L, k))
         shared = _clamped_swiglu(self.ffn_gate_shexp(x), self.ffn_up_shexp(x), self.limit)
         return y.reshape(B, L, H) + self.ffn_down_shexp(shared)
@@ -91,11 +98,16 @@ class MoE(nn.Module):
         return y.reshape(N, k, -1).sum(axis=1)
 
     def _gathered(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
-        """Routed experts with ``gather_mm`` over expert-sorted rows (no host sync; GPU)."""
+        """Routed experts with ``gather_mm`` over expert-sorted rows (no host sync; GPU).
+
+        The rows are reshaped to ``(N*k, 1, H)``, not indexed ``[:, None, :]``: MLX's sorted
+        ``gather_mm`` silently returns wrong values for an axis-inserted lhs
+        (ml-explore/mlx#4253; measured on CUDA by ``bench.gpu_deepseek4.check_padded_experts``).
+        """
         N, k = inds.shape
         flat = inds.reshape(-1)
         order = mx.argsort(flat)
-        xs, ids = x[order // k][:, None, :], flat[order]  # (N*k, 1, H)
+        xs, ids = x[order // k].reshape(N * k, 1, x.shape[-1]), flat[order]
 
         def mm(a: mx.array, w: mx.array) -> mx.array:
             return mx.gather_mm(a, w.swapaxes(-1, -2), rhs_indices=ids, sorted_indices=True)
@@ -107,6 +119,55 @@ class MoE(nn.Module):
         return y.reshape(N, k, -1).sum(axis=1)
 
 
-def use_grouped_experts() -> bool:
-    """Host-grouped expert matmuls on the CPU, ``gather_mm`` elsewhere."""
-    return mx.default_device() == mx.cpu
+    def _padded(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        """Routed experts as three batched matmuls over ``(E, cap, H)``: each expert's rows,
+        padded to `cap` (`padded_capacity`, read on the host: one sync per call).
+
+        A batched GEMM streams every expert's weights once, at full width. MLX 0.32's CUDA
+        ``gather_mm`` over sorted rows is a CUTLASS grouped GEMM with 256-row tiles and
+        one-element loads (``mlx/backend/cuda/gemms/grouped_gemm_unaligned.cu``), which runs
+        a 2,048-token chunk's ~48 rows per expert at a few percent of the tensor cores. A
+        padding row copies some other pair's token; its outputs are never read. Falls back
+        to `_gathered` where `padded_capacity` declines.
+
+        Args: `x` ``(N, H)``, `inds` ``(N, k)`` int expert ids, `weights` ``(N, k)`` in
+        `x`'s dtype. Returns ``(N, H)``.
+        """
+        N, k = inds.shape
+        E, H = self.args.n_routed_experts, x.shape[-1]
+        flat = inds.reshape(-1).astype(mx.int32)
+        counts = (flat[:, None] == mx.arange(E, dtype=mx.int32)).astype(mx.int32).sum(axis=0)
+        cap = padded_capacity(np.array(counts), N * k)
+        if cap is None:
+            return self._gathered(x, inds, weights)
+        order = mx.argsort(flat)  # pair ids grouped by expert
+        starts = mx.cumsum(counts) - counts  # (E,) each expert's first sorted position
+        sorted_pos = mx.minimum(starts[:, None] + mx.arange(cap), N * k - 1)
+        pairs = order[sorted_pos]  # (E, cap): the pair in each padded row
+        xs = x[pairs // k]  # (E, cap, H)
+        gate = xs @ self.ffn_gate_exps.weight.swapaxes(-1, -2)
+        up = xs @ self.ffn_up_exps.weight.swapaxes(-1, -2)
+        h = _clamped_swiglu(gate, up, self.limit) * weights.reshape(-1)[pairs][..., None]
+        out = (h @ self.ffn_down_exps.weight.swapaxes(-1, -2)).reshape(E * cap, H)
+        rank = mx.argsort(order) - starts[flat]  # each pair's row within its expert
+        return out[flat * cap + rank].reshape(N, k, H).sum(axis=1)
+
+
+# padded rows allowed per real (token, expert) pair before `_padded` gives way to gather_mm
+PAD_LIMIT = 2.0
+
+
+def padded_capacity(counts: np.ndarray, n_pairs: int) -> int | None:
+    """Rows per expert for `MoE._padded`: the largest of `counts` (int ``(E,)``, pairs per
+    expert) rounded up to a multiple of 16, so a chunk length yields few distinct matmul
+    shapes; ``None`` where ``E * cap`` would exceed `PAD_LIMIT` times `n_pairs` (short
+    chunks, or skewed routing), where the batched matmuls would stream idle experts' weights."""
+    cap = -(-int(counts.max(initial=0)) // 16) * 16
+    if cap == 0 or counts.size * cap > PAD_LIMIT * n_pairs:
+        return None
+    return cap
+
+
+def expert_path() -> str:
+    """``"grouped"`` (host-grouped matmuls) on the CPU, ``"padded"`` elsewhere."""
+    return "grouped" if mx.default_device() == mx.cpu else "padded"
