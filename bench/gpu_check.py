@@ -93,7 +93,7 @@ def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
 CHECKS: list[Callable[[Recorder], bool]] = [
     fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,
-    gpu_deepseek4.check_rope_kernel, gpu_deepseek4.check_padded_experts]
+    gpu_deepseek4.check_padded_experts]
 
 
 def run_checks(rec: Recorder, checks: list[Callable[[Recorder], bool]] | None = None) -> bool:

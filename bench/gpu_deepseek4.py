@@ -10,9 +10,6 @@ per-query key-list kernel (`model.kernels.sparse_attention`).
   path (the kernel, the indexer's top-k rows gathered) and through the masked dense form
   (MLX attention over every compressed row under a mask), each with its own cache; every
   chunk's output within `LAYER_TOLERANCE`.
-- `check_rope_kernel`: the fused RoPE (`model.kernels.rope`, with and without the queries'
-  norm, forward and inverse) against the MLX-ops form in float32 on the same bf16 inputs,
-  at the queries', keys', outputs' and indexer queries' shapes.
 - `check_padded_experts`: the routed experts' GPU path (`MoE._padded`, batched matmuls
   over padded expert rows) and its fallback (`MoE._gathered`, ``gather_mm``) against float32
   host-grouped matmuls on the same bf16 inputs, 64 experts of Flash's width.
@@ -22,7 +19,7 @@ per-query key-list kernel (`model.kernels.sparse_attention`).
 - `experts_micro`: one layer's routed experts (256 of them, top-6) for a 2,048-token chunk,
   padded and through ``gather_mm``.
 - `ablate`: DeepSeek-V4-Flash's first 4 layers, the whole prefill with one part taken back
-  each (``gather_mm`` experts, MLX-ops RoPE, RoPE angles made on the host per call), the
+  each (``gather_mm`` experts, RoPE angles made on the host per call), the
   variants alternating in one process (`bench.common.interleaved`).
 """
 
@@ -37,7 +34,6 @@ from model.archs import deepseek4
 from model.archs.deepseek4 import layers as ds_layers
 from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4.sparse import gathered_attention
-from model.kernels import rope as fused_rope
 from model.kernels import sparse_attention as sa
 
 from .common import Recorder, interleaved, log
@@ -222,34 +218,6 @@ def experts_micro(rec: Recorder, L: int = 2048) -> None:
     log("deepseek4 experts micro-benchmark done")
 
 
-ROPE_CHECKS = [  # (L, rows per position, D, norm, inverse): queries, outputs, keys, indexer
-    (2048, 64, 512, True, False), (2048, 64, 512, False, True), (37, 1, 512, False, False),
-    (2048, 64, 128, False, False), (5, 64, 512, True, True)]
-
-
-def check_rope_kernel(rec: Recorder, position: int = 6000) -> bool:
-    """`model.kernels.rope` against `layers.rope`'s MLX ops in float32 on the same bf16
-    inputs (DeepSeek-V4-Flash's 64 rotated dims, its compressed layers' YaRN frequencies),
-    max |difference| over max |reference| within `BF16_TOLERANCE`."""
-    args = deepseek4.flash_args()
-    inv_freq = ds_layers.rope_inv_freq(args, 4)
-    ok = True
-    for L, N, D, norm, inverse in ROPE_CHECKS:
-        x = mx.random.normal((1, L, N, D), key=mx.random.key(L + D)).astype(mx.bfloat16)
-        positions = np.arange(position, position + L)
-        eps = args.rms_norm_eps if norm else None
-        fused = fused_rope.applies(x, args.rope_dim)  # else both sides are MLX ops
-        ours = ds_layers.rope(x, positions, inv_freq, inverse, eps).astype(mx.float32)
-        ref = ds_layers.rope(x.astype(mx.float32), positions, inv_freq, inverse, eps)
-        diff = float(mx.abs(ours - ref).max() / mx.abs(ref).max())
-        good = fused and diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
-        ok &= good
-        rec("deepseek4_rope_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
-            positions=L, rows_per_position=N, dims=D, norm=norm, inverse=inverse,
-            fused=fused)
-    return ok
-
-
 def _host_angles(inv_freq, positions):
     """`layers.angle_table` as it was: every call's cos and sin made from host arrays."""
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
@@ -259,7 +227,6 @@ def _host_angles(inv_freq, positions):
 ABLATIONS = {  # variant: (owner, attribute, replacement), or None for the product's path
     "baseline": None,
     "experts_gathered": (deepseek4.moe, "expert_path", lambda: "gathered"),
-    "rope_ops": (fused_rope, "applies", lambda x, rope_dims: False),
     "host_angle_tables": (ds_layers, "angle_table", _host_angles),
 }
 

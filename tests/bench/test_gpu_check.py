@@ -26,7 +26,6 @@ def test_checks_are_functions_of_a_recorder():
                                 gpu_check.chunked_equals_one_pass,
                                 gpu_deepseek4.check_sparse_kernel,
                                 gpu_deepseek4.check_gathered_layers,
-                                gpu_deepseek4.check_rope_kernel,
                                 gpu_deepseek4.check_padded_experts]
     for check in gpu_check.CHECKS:
         params = list(inspect.signature(check).parameters.values())

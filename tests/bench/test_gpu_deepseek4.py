@@ -67,12 +67,11 @@ def test_the_experts_check_fails_when_a_path_is_wrong(monkeypatch):
 
 def test_the_ablation_runs_every_variant_and_restores_what_it_swaps():
     from model.archs.deepseek4 import layers as ds_layers
-    from model.kernels import rope as fused_rope
 
-    swapped = (ds_moe.expert_path, fused_rope.applies, ds_layers.angle_table)
+    swapped = (ds_moe.expert_path, ds_layers.angle_table)
     rec = Recorder(False, {})
     gpu_deepseek4.ablate(rec, n=256, chunk=64, repeats=1, args=TINY, dtype=mx.float32)
     assert [r["variant"] for r in rec.records] == list(gpu_deepseek4.ABLATIONS)
     assert rec.records[0]["over_baseline"] == 1.0
     assert all(r["value"] > 0 for r in rec.records)
-    assert (ds_moe.expert_path, fused_rope.applies, ds_layers.angle_table) == swapped
+    assert (ds_moe.expert_path, ds_layers.angle_table) == swapped

@@ -12,8 +12,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...kernels import rope as fused_rope
-
 if TYPE_CHECKING:
     from .model import ModelArgs
 
@@ -84,22 +82,15 @@ def _device_table(inv_freq: bytes, length: int) -> tuple[mx.array, mx.array]:
     return cos, sin
 
 
-def rope(x: mx.array, positions: np.ndarray, inv_freq: np.ndarray, inverse: bool = False,
-         norm_eps: float | None = None) -> mx.array:
+def rope(x: mx.array, positions: np.ndarray, inv_freq: np.ndarray, inverse: bool = False):
     """Rotate interleaved pairs of the last ``2*len(inv_freq)`` dims of `x` ``(B, L, N, D)``
-    at `positions` ``(L,)``; `inverse` applies the conjugate rotation. With `norm_eps`, each
-    row of D is first scaled by ``rsqrt(mean(row^2) + norm_eps)`` (the queries' weightless
-    norm). One CUDA kernel on a GPU in bf16 (`model.kernels.rope`), else MLX ops."""
+    at `positions` ``(L,)``; `inverse` applies the conjugate rotation."""
     B, L, N, D = x.shape
     rd = 2 * inv_freq.shape[0]
     cos, sin = angle_table(inv_freq, positions)
+    cos, sin = cos.astype(x.dtype)[None, :, None, :], sin.astype(x.dtype)[None, :, None, :]
     if inverse:
         sin = -sin
-    if fused_rope.applies(x, rd):
-        return fused_rope.rope(x, cos, sin, norm_eps)
-    if norm_eps is not None:
-        x = x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + norm_eps)
-    cos, sin = cos.astype(x.dtype)[None, :, None, :], sin.astype(x.dtype)[None, :, None, :]
     pairs = x[..., D - rd :].reshape(B, L, N, rd // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(B, L, N, rd)

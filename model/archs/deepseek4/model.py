@@ -257,7 +257,8 @@ class Attention(nn.Module):
         positions = np.arange(position, position + L)
         qr = self.attn_q_a_norm(self.attn_q_a(x))
         q = self.attn_q_b(qr).reshape(B, L, nh, hd)
-        q = rope(q, positions, self._inv_freq, norm_eps=eps)  # after a weightless norm per head
+        q = q * mx.rsqrt((q * q).mean(axis=-1, keepdims=True) + eps)  # weightless per head
+        q = rope(q, positions, self._inv_freq)
         kv = self.attn_kv_a_norm(self.attn_kv(x))[:, :, None, :]
         kv = rope(kv, positions, self._inv_freq)[0, :, 0].astype(layer.window.dtype)  # (L, hd)
         keys, n_prev, n_rows = self._keys(x, kv, layer, position)
