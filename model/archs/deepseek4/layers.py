@@ -55,10 +55,9 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
     are sliced from a device table of positions ``0 .. 2^k`` built once per `inv_freq`
     (`_device_table`); others are computed for the call. Arrays made from host data in
     every layer of every chunk cost the GPU prefill dearly: building one 2,048-token
-    chunk's graph of DeepSeek-V4-Flash's first 4 layers took 34-54 ms on the H200's host
-    with them (about 11 a layer) and 3-5 ms without, and the prefill ran 1.6x faster
-    (docs/benchmarks.md; `bench.gpu_deepseek4.ablate` measures it as
-    ``host_angle_tables``)."""
+    chunk's graph of DeepSeek-V4-Flash's first 4 layers took 32-54 ms on the H200's host
+    with them (about 11 a layer) and 3-5 ms without, and the prefill with them runs at
+    0.68-0.76x (`bench.gpu_deepseek4.ablate`, ``host_angle_tables``; docs/benchmarks.md)."""
     L = positions.shape[0]
     step = int(positions[1] - positions[0]) if L > 1 else 1
     start = int(positions[0]) if L else 0
