@@ -37,13 +37,16 @@ def test_the_table_equals_the_angles_computed_for_the_call(positions):
     np.testing.assert_array_equal(np.array(sin), want_sin)
 
 
-def test_the_table_is_built_once_per_frequency_set_and_length():
-    ds_layers._device_table.cache_clear()
+def test_the_table_is_built_once_per_frequency_set_and_grows_in_place():
+    ds_layers._tables.pop(INV_FREQ.tobytes(), None)
     for start in range(0, 4096, 512):
         ds_layers.angle_table(INV_FREQ, np.arange(start, start + 512))
-    assert ds_layers._device_table.cache_info().misses == 1
+    first = ds_layers._tables[INV_FREQ.tobytes()]
+    assert first[0].shape == (4096, 32)
+    ds_layers.angle_table(INV_FREQ, np.arange(0, 512))
+    assert ds_layers._tables[INV_FREQ.tobytes()] is first  # reused, not rebuilt
     ds_layers.angle_table(INV_FREQ, np.arange(4096, 4608))  # past 4,096: one 8,192 table
-    assert ds_layers._device_table.cache_info().misses == 2
+    assert ds_layers._tables[INV_FREQ.tobytes()][0].shape == (8192, 32)
 
 
 def test_rope_rotates_only_the_tail_and_its_inverse_undoes_it():

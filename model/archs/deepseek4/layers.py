@@ -5,7 +5,6 @@ YaRN, and the mHC stream mixing (DeepSeek-V4 reference ``inference/model.py``:
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -72,13 +71,20 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
     return cos[start:stop:step], sin[start:stop:step]
 
 
-@lru_cache(maxsize=8)
+# the largest device table built per frequency set: bytes of inv_freq -> (cos, sin)
+_tables: dict[bytes, tuple[mx.array, mx.array]] = {}
+
+
 def _device_table(inv_freq: bytes, length: int) -> tuple[mx.array, mx.array]:
-    """cos and sin of ``p * inv_freq`` for ``p < length``, float32 ``(length, R/2)``."""
-    angles = np.arange(length, dtype=np.float64)[:, None] * np.frombuffer(inv_freq)[None, :]
-    cos, sin = mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
-    mx.eval(cos, sin)
-    return cos, sin
+    """cos and sin of ``p * inv_freq`` for ``p < length`` or more, float32 ``(n, R/2)``;
+    a longer table replaces the shorter one (2 x 32 float32 per position: 256 MiB at 1M)."""
+    held = _tables.get(inv_freq)
+    if held is None or held[0].shape[0] < length:
+        angles = np.arange(length, dtype=np.float64)[:, None] * np.frombuffer(inv_freq)[None, :]
+        held = mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+        mx.eval(held)
+        _tables[inv_freq] = held
+    return held
 
 
 def rope(x: mx.array, positions: np.ndarray, inv_freq: np.ndarray, inverse: bool = False):
