@@ -17,7 +17,8 @@ per-query key-list kernel (`model.kernels.sparse_attention`).
   512 per query): the kernel, `gathered_attention` in MLX ops, and the masked dense MLX
   attention the model ran before.
 - `experts_micro`: one layer's routed experts (256 of them, top-6) for a 2,048-token chunk,
-  padded and through ``gather_mm``.
+  padded and through ``gather_mm``; `experts_sweep` the same over chunk lengths and skew,
+  which places `padded_capacity`'s limits.
 - `ablate`: DeepSeek-V4-Flash's first 4 layers, the whole prefill with one part taken back
   each (``gather_mm`` experts, RoPE angles made on the host per call), the
   variants alternating in one process (`bench.common.interleaved`).
@@ -160,20 +161,34 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
     log("deepseek4 attention micro-benchmark done")
 
 
-def _routed_inputs(args, L: int, dtype: mx.Dtype, seed: int = 0):
-    """A routed MoE layer at `args`' widths with random `dtype` expert weights (std 0.02),
-    and a chunk's `L` tokens: ``x`` ``(L, H)``, top-k ids ``(L, k)``, weights ``(L, k)``."""
+def _routed_layer(args, dtype: mx.Dtype, seed: int = 0):
+    """A routed MoE layer at `args`' widths with random `dtype` expert weights (std 0.02)."""
     moe = deepseek4.MoE(args, layer=args.num_hash_layers)
-    E, F, Hd, k = (args.n_routed_experts, args.moe_intermediate_size, args.hidden_size,
-                   args.num_experts_per_tok)
-    keys = mx.random.split(mx.random.key(seed), 5)
+    E, F, Hd = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+    keys = mx.random.split(mx.random.key(seed), 3)
     for key, name, shape in zip(keys, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
-                                ((E, F, Hd), (E, F, Hd), (E, Hd, F)), strict=False):
+                                ((E, F, Hd), (E, F, Hd), (E, Hd, F)), strict=True):
         getattr(moe, name).weight = (mx.random.normal(shape, key=key) * 0.02).astype(dtype)
-    x = mx.random.normal((L, Hd), key=keys[3]).astype(dtype)
-    inds = mx.argsort(mx.random.uniform(shape=(L, E), key=keys[4]), axis=-1)[:, :k]
-    weights = mx.full((L, k), 1.0 / k, dtype=dtype)
-    return moe, x, inds.astype(mx.int32), weights
+    return moe
+
+
+def _routing(args, L: int, dtype: mx.Dtype, hot: int = 0, seed: int = 0):
+    """A chunk's `L` tokens for `_routed_layer`: ``x`` ``(L, H)``, int32 top-k ids ``(L,
+    k)`` (distinct, uniformly random; expert 0 also in the first `hot` tokens' lists, as
+    skewed routing piles tokens onto one expert), weights ``(L, k)``."""
+    E, Hd, k = args.n_routed_experts, args.hidden_size, args.num_experts_per_tok
+    rng = np.random.default_rng(seed + L + hot)
+    inds = np.argsort(rng.random((L, E)), axis=-1)[:, :k]
+    for row in inds[:hot]:
+        if 0 not in row:
+            row[0] = 0
+    x = mx.random.normal((L, Hd), key=mx.random.key(seed + L)).astype(dtype)
+    return x, mx.array(inds.astype(np.int32)), mx.full((L, k), 1.0 / k, dtype=dtype)
+
+
+def _routed_inputs(args, L: int, dtype: mx.Dtype, seed: int = 0):
+    """`_routed_layer` and an `L`-token `_routing` for it."""
+    return (_routed_layer(args, dtype, seed), *_routing(args, L, dtype, seed=seed))
 
 
 def check_padded_experts(rec: Recorder, L: int = 512, args=None,
@@ -205,17 +220,47 @@ def experts_micro(rec: Recorder, L: int = 2048) -> None:
     """One layer's routed experts at DeepSeek-V4-Flash shapes (256 experts of 4096 x 2048,
     top-6) for an `L`-token chunk, each path the best of 5 after a warm-up."""
     args = deepseek4.flash_args()
-    moe, x, inds, weights = _routed_inputs(args, L, mx.bfloat16)
+    _time_experts(rec, _routed_layer(args, mx.bfloat16), args, L, hot=0)
+    log("deepseek4 experts micro-benchmark done")
+
+
+# (tokens, hot): uniform routing from 16 tokens up, then 2,048 tokens with expert 0 in the
+# first `hot` lists (its count ~48 + hot against a mean of 48)
+EXPERT_SWEEP = [(1, 0), (4, 0), (8, 0), (16, 0), (32, 0), (64, 0), (256, 0), (1024, 0),
+                (2048, 0), (2048, 64), (2048, 128), (2048, 256), (2048, 512), (2048, 1024),
+                (2048, 2048)]
+
+
+def experts_sweep(rec: Recorder, cases=EXPERT_SWEEP) -> None:
+    """Both GPU expert paths over `cases` of chunk length and skew, the padded layout forced
+    (`MIN_PAIRS` and `PAD_LIMIT` lifted), each record with its padded rows over the real
+    pairs: where `MoE._padded` stops paying is where `padded_capacity` declines."""
+    from .gpu_ablate import patched
+
+    args = deepseek4.flash_args()
+    moe = _routed_layer(args, mx.bfloat16)
+    with patched(deepseek4.moe, "PAD_LIMIT", float("inf")), \
+            patched(deepseek4.moe, "MIN_PAIRS", 0):
+        for L, hot in cases:
+            _time_experts(rec, moe, args, L, hot)
+    log("deepseek4 experts sweep done")
+
+
+def _time_experts(rec: Recorder, moe, args, L: int, hot: int) -> None:
+    x, inds, weights = _routing(args, L, mx.bfloat16, hot)
     E, F, Hd, k = (args.n_routed_experts, args.moe_intermediate_size, args.hidden_size,
                    args.num_experts_per_tok)
+    counts = np.bincount(np.array(inds).reshape(-1), minlength=E)
+    cap = -(-int(counts.max()) // 16) * 16
     flops = 2 * 3 * L * k * F * Hd
     weight_bytes = 3 * E * F * Hd * 2
     for path, fn in (("padded", moe._padded), ("gathered", moe._gathered)):
         s = _seconds(lambda fn=fn: fn(x, inds, weights))
         rec("deepseek4_experts_seconds", s, "s", path=path, tokens=L, experts=E, top_k=k,
+            hot_rows=hot, busiest=int(counts.max()),
+            padded_rows_over_pairs=round(E * cap / (L * k), 2),
             tflops_useful=round(flops / s / 1e12, 1),
             weights_tb_s=round(weight_bytes / s / 1e12, 2))
-    log("deepseek4 experts micro-benchmark done")
 
 
 def _host_angles(inv_freq, positions):

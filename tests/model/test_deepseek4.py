@@ -268,11 +268,10 @@ def test_padded_experts_equal_grouped(model, ids, one_pass, monkeypatch):
 
 
 @pytest.mark.parametrize("seed, skew", [(0, 0.0), (1, 0.0), (2, 0.6)])
-def test_padded_experts_equal_grouped_at_the_module(seed, skew, monkeypatch):
+def test_padded_experts_equal_grouped_at_the_module(seed, skew):
     """`MoE._padded` against `MoE._grouped` on one layer's routed experts, with uniform and
     skewed expert ids (every expert's rows, the busiest one's padding, idle experts); the
-    skewed ids pad 8 experts to one's 64 rows (PAD_LIMIT raised to keep the padded layout)."""
-    monkeypatch.setattr(ds_moe, "PAD_LIMIT", 4.0)
+    skewed ids pad 8 experts to the busiest one's 64 rows."""
     args = ds.flash_args(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
                          num_experts_per_tok=3, num_hash_layers=0)
     moe = ds.MoE(args, layer=0)
@@ -295,10 +294,12 @@ def test_padded_experts_equal_grouped_at_the_module(seed, skew, monkeypatch):
 
 @pytest.mark.parametrize("counts, n_pairs, cap", [
     ([48, 50, 33, 70], 201, 80),  # the busiest expert's 70 rows, rounded up to 80
-    ([16, 16], 32, 16),  # already a multiple of 16
-    ([40, 41, 40, 40], 161, 48),  # 4 x 48 = 192 rows <= 2 x 161
-    ([200, 1, 0, 0], 201, None),  # 4 x 208 rows > 2 x 201: skewed, gather_mm instead
-    ([1, 1, 1, 0], 3, None),  # a 3-pair chunk: 64 rows for 3
+    ([16] * 8, 128, 16),  # already a multiple of 16
+    ([40] + [0] * 255, 64, 48),  # 12,288 rows for 64 pairs, but within FREE_CAP
+    ([64] * 2 + [0] * 254, 128, None),  # 256 x 64 rows > 12 x 128 pairs: gather_mm
+    ([600] + [0] * 63, 600, None),  # one expert takes every pair: 64 x 608 > 12 x 600
+    ([500] + [100] * 63, 6800, 512),  # skewed, but 64 x 512 <= 12 x 6,800
+    ([1, 1, 1, 0], 3, None),  # a chunk of one or two tokens: fewer than MIN_PAIRS
     ([0, 0], 0, None),
 ])
 def test_padded_capacity(counts, n_pairs, cap):

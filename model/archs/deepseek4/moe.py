@@ -4,8 +4,8 @@ first layers), clamped SwiGLU experts and a shared expert (DeepSeek-V4 reference
 
 The routed experts run one of three ways, each exact up to the matmuls' rounding
 (`expert_path`): host-grouped matmuls on the CPU; on a GPU, batched matmuls over a padded
-expert-major layout (`MoE._padded`), or ``gather_mm`` over expert-sorted rows when padding
-would cost too much (`padded_capacity`).
+expert-major layout (`MoE._padded`), or ``gather_mm`` over expert-sorted rows for chunks of
+a few tokens and skewed routing, where it is faster (`padded_capacity`).
 """
 
 from __future__ import annotations
@@ -153,17 +153,28 @@ class MoE(nn.Module):
         return out[flat * cap + rank].reshape(N, k, H).sum(axis=1)
 
 
-# padded rows allowed per real (token, expert) pair before `_padded` gives way to gather_mm
-PAD_LIMIT = 2.0
+# Where `MoE._padded` gives way to gather_mm, placed by `bench.gpu_deepseek4.experts_sweep`
+# on the H200 at DeepSeek-V4-Flash's shapes (256 experts, top-6;
+# bench/results/gpu-h200-2026-12-01-experts-sweep{,-small}.jsonl): every measured case below picks
+# the faster path.
+MIN_PAIRS = 64  # below ~10 tokens gather_mm touches a few experts: 0.9 vs 4.2 ms at 1 token
+FREE_CAP = 48  # up to 48 rows an expert the matmuls cost about their weights' streaming
+PAD_LIMIT = 12.0  # padded rows per real pair past that; the crossover measured ~15 at 2,048
 
 
 def padded_capacity(counts: np.ndarray, n_pairs: int) -> int | None:
-    """Rows per expert for `MoE._padded`: the largest of `counts` (int ``(E,)``, pairs per
-    expert) rounded up to a multiple of 16, so a chunk length yields few distinct matmul
-    shapes; ``None`` where ``E * cap`` would exceed `PAD_LIMIT` times `n_pairs` (short
-    chunks, or skewed routing), where the batched matmuls would stream idle experts' weights."""
+    """Rows per expert for `MoE._padded`, or ``None`` where ``gather_mm`` is faster.
+
+    `counts`: int ``(E,)``, (token, expert) pairs per expert; `n_pairs` their sum. The
+    capacity is the largest count rounded up to a multiple of 16 (a chunk length yields few
+    distinct matmul shapes). Declined below `MIN_PAIRS` pairs, and where the capacity is
+    over `FREE_CAP` and the ``E * cap`` padded rows exceed `PAD_LIMIT` times the pairs
+    (routing skewed onto a few experts).
+    """
     cap = -(-int(counts.max(initial=0)) // 16) * 16
-    if cap == 0 or counts.size * cap > PAD_LIMIT * n_pairs:
+    if n_pairs < MIN_PAIRS or cap == 0:
+        return None
+    if cap > FREE_CAP and counts.size * cap > PAD_LIMIT * n_pairs:
         return None
     return cap
 
