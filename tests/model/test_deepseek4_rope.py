@@ -28,6 +28,8 @@ def direct(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     np.array([70_000]),  # one position, past the first table: the table grows
     np.arange(4090, 4100),  # across the first table's end
     np.array([5, 3, 9]),  # not a progression: computed for the call
+    np.array([9, 5, 1], dtype=np.uint64),  # unsigned, decreasing
+    np.array([0.0, 1.5, 3.0]),  # not integers
 ])
 def test_the_table_equals_the_angles_computed_for_the_call(positions):
     cos, sin = ds_layers.angle_table(INV_FREQ, positions)
@@ -61,3 +63,11 @@ def test_rope_rotates_only_the_tail_and_its_inverse_undoes_it():
     assert np.abs(out[0, 2] - np.array(x)[0, 2]).max() > 0.1
     back = np.array(ds_layers.rope(mx.array(out), positions, INV_FREQ, inverse=True))
     np.testing.assert_allclose(back, np.array(x), atol=1e-5)
+
+
+def test_float32_frequencies_key_the_same_table_as_float64():
+    cos, sin = ds_layers.angle_table(INV_FREQ.astype(np.float32), np.arange(8))
+    want = ds_layers.angle_table(INV_FREQ.astype(np.float32).astype(np.float64), np.arange(8))
+    assert cos.shape == (8, 32)
+    np.testing.assert_array_equal(np.array(cos), np.array(want[0]))
+    np.testing.assert_array_equal(np.array(sin), np.array(want[1]))

@@ -57,11 +57,13 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
     chunk's graph of DeepSeek-V4-Flash's first 4 layers took 32-54 ms on the H200's host
     with them (about 11 a layer) and 3-5 ms without, and the prefill with them runs at
     0.68-0.76x (`bench.gpu_deepseek4.ablate`, ``host_angle_tables``; docs/benchmarks.md)."""
+    inv_freq = np.asarray(inv_freq, dtype=np.float64)
     L = positions.shape[0]
-    step = int(positions[1] - positions[0]) if L > 1 else 1
-    start = int(positions[0]) if L else 0
-    affine = L > 0 and start >= 0 and step > 0 and np.array_equal(
-        positions, start + step * np.arange(L))
+    affine = L > 0 and positions.dtype.kind in "iu"
+    if affine:
+        ints = positions.astype(np.int64)
+        start, step = int(ints[0]), int(ints[1] - ints[0]) if L > 1 else 1
+        affine = start >= 0 and step > 0 and np.array_equal(ints, start + step * np.arange(L))
     if not affine:
         angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
         return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
