@@ -295,11 +295,11 @@ def test_padded_experts_equal_grouped_at_the_module(seed, skew):
 @pytest.mark.parametrize("counts, n_pairs, cap", [
     ([48, 50, 33, 70], 201, 80),  # the busiest expert's 70 rows, rounded up to 80
     ([16] * 8, 128, 16),  # already a multiple of 16
-    ([40] + [0] * 255, 64, 48),  # 12,288 rows for 64 pairs, but within FREE_CAP
+    ([40] + [1] * 24 + [0] * 231, 64, 48),  # 12,288 rows for 64 pairs, but within FREE_CAP
     ([64] * 2 + [0] * 254, 128, None),  # 256 x 64 rows > 12 x 128 pairs: gather_mm
     ([600] + [0] * 63, 600, None),  # one expert takes every pair: 64 x 608 > 12 x 600
     ([500] + [100] * 63, 6800, 512),  # skewed, but 64 x 512 <= 12 x 6,800
-    ([1, 1, 1, 0], 3, None),  # a chunk of one or two tokens: fewer than MIN_PAIRS
+    ([1, 1, 1, 0], 3, None),  # 3 pairs (under one token at top-6): fewer than MIN_PAIRS
     ([0, 0], 0, None),
 ])
 def test_padded_capacity(counts, n_pairs, cap):

@@ -65,9 +65,11 @@ def test_rope_rotates_only_the_tail_and_its_inverse_undoes_it():
     np.testing.assert_allclose(back, np.array(x), atol=1e-5)
 
 
-def test_float32_frequencies_key_the_same_table_as_float64():
-    cos, sin = ds_layers.angle_table(INV_FREQ.astype(np.float32), np.arange(8))
-    want = ds_layers.angle_table(INV_FREQ.astype(np.float32).astype(np.float64), np.arange(8))
+def test_float32_frequencies_give_their_own_angles_from_the_table():
+    inv32 = INV_FREQ.astype(np.float32)
+    positions = np.arange(8, dtype=np.uint64)  # unsigned, increasing: the table path
+    cos, sin = ds_layers.angle_table(inv32, positions)
+    angles = np.arange(8, dtype=np.float64)[:, None] * inv32.astype(np.float64)[None, :]
     assert cos.shape == (8, 32)
-    np.testing.assert_array_equal(np.array(cos), np.array(want[0]))
-    np.testing.assert_array_equal(np.array(sin), np.array(want[1]))
+    np.testing.assert_array_equal(np.array(cos), np.cos(angles).astype(np.float32))
+    np.testing.assert_array_equal(np.array(sin), np.sin(angles).astype(np.float32))

@@ -50,8 +50,9 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
     """float32 ``(L, R/2)`` cosines and sines of ``positions[l] * inv_freq[i]`` (computed in
     float64).
 
-    Positions in arithmetic progression (a chunk's, or its compressed rows' ``g * ratio``)
-    are sliced from a device table of positions ``0 .. 2^k`` built once per `inv_freq`
+    Integer positions in increasing arithmetic progression from 0 or above (a chunk's, or
+    its compressed rows' ``g * ratio``) are sliced from a device table of positions
+    ``0 .. 2^k - 1`` (at least 4,096) built once per `inv_freq`
     (`_device_table`); others are computed for the call. Arrays made from host data in
     every layer of every chunk cost the GPU prefill dearly: building one 2,048-token
     chunk's graph of DeepSeek-V4-Flash's first 4 layers took 32-54 ms on the H200's host

@@ -157,8 +157,8 @@ class MoE(nn.Module):
 # on the H200 at DeepSeek-V4-Flash's shapes (256 experts, top-6;
 # bench/results/gpu-h200-2026-12-01-experts-sweep{,-small}.jsonl): every measured case below picks
 # the faster path.
-MIN_PAIRS = 64  # below ~10 tokens gather_mm touches a few experts: 0.9 vs 4.2 ms at 1 token
-FREE_CAP = 48  # up to 48 rows an expert the matmuls cost about their weights' streaming
+MIN_PAIRS = 64  # below ~11 tokens gather_mm touches a few experts: 0.9 vs 4.2 ms at 1 token
+FREE_CAP = 48  # 4.0-4.3 ms up to 16 rows an expert (weights' streaming), 5.1 ms at 48
 PAD_LIMIT = 12.0  # padded rows per real pair past that; the crossover measured ~15 at 2,048
 
 
