@@ -118,7 +118,6 @@ class MoE(nn.Module):
         y = mm(h, self.ffn_down_exps.weight)[:, 0, :][mx.argsort(order)]
         return y.reshape(N, k, -1).sum(axis=1)
 
-
     def _padded(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         """Routed experts as three batched matmuls over ``(E, cap, H)``: each expert's rows,
         padded to `cap` (`padded_capacity`, read on the host: one sync per call).
@@ -134,6 +133,8 @@ class MoE(nn.Module):
         `x`'s dtype. Returns ``(N, H)``.
         """
         N, k = inds.shape
+        if N * k < MIN_PAIRS:  # declined whatever the counts: no host read
+            return self._gathered(x, inds, weights)
         E, H = self.args.n_routed_experts, x.shape[-1]
         flat = inds.reshape(-1).astype(mx.int32)
         counts = (flat[:, None] == mx.arange(E, dtype=mx.int32)).astype(mx.int32).sum(axis=0)
@@ -154,9 +155,8 @@ class MoE(nn.Module):
 
 
 # Where `MoE._padded` gives way to gather_mm, placed by `bench.gpu_deepseek4.experts_sweep`
-# on the H200 at DeepSeek-V4-Flash's shapes (256 experts, top-6;
-# bench/results/gpu-h200-2026-12-01-experts-sweep{,-small}.jsonl): every measured case below picks
-# the faster path.
+# on the H200 at DeepSeek-V4-Flash's shapes (256 experts, top-6; bench/results/
+# gpu-h200-2026-12-01-experts-sweep{,-small}.jsonl): all 18 measured cases pick the faster.
 MIN_PAIRS = 64  # below ~11 tokens gather_mm touches a few experts: 0.9 vs 4.2 ms at 1 token
 FREE_CAP = 48  # 4.0-4.3 ms up to 16 rows an expert (weights' streaming), 5.1 ms at 48
 PAD_LIMIT = 12.0  # padded rows per real pair past that; the crossover measured ~15 at 2,048
