@@ -252,7 +252,7 @@ def _time_experts(rec: Recorder, moe, args, L: int, hot: int) -> None:
     E, F, Hd, k = (args.n_routed_experts, args.moe_intermediate_size, args.hidden_size,
                    args.num_experts_per_tok)
     counts = np.bincount(np.array(inds).reshape(-1), minlength=E)
-    cap = -(-int(counts.max()) // 16) * 16
+    cap = deepseek4.moe.busiest_rows(counts)
     flops = 2 * 3 * L * k * F * Hd
     weight_bytes = 3 * E * F * Hd * 2
     for path, fn in (("padded", moe._padded), ("gathered", moe._gathered)):
@@ -264,16 +264,10 @@ def _time_experts(rec: Recorder, moe, args, L: int, hot: int) -> None:
             weights_tb_s=round(weight_bytes / s / 1e12, 2))
 
 
-def _host_angles(inv_freq, positions):
-    """`layers.angle_table` as it was: every call's cos and sin made from host arrays."""
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
-
-
 ABLATIONS = {  # variant: (owner, attribute, replacement), or None for the product's path
     "baseline": None,
     "experts_gathered": (deepseek4.moe, "expert_path", lambda: "gathered"),
-    "host_angle_tables": (ds_layers, "angle_table", _host_angles),
+    "host_angle_tables": (ds_layers, "angle_table", ds_layers.host_angles),  # as it was
 }
 
 

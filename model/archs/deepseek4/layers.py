@@ -46,15 +46,22 @@ def rope_inv_freq(args: ModelArgs, ratio: int) -> np.ndarray:
     return freqs / args.rope_factor * (1 - smooth) + freqs * smooth
 
 
+def host_angles(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+    """float32 ``(L, R/2)`` cos and sin of ``positions[l] * inv_freq[i]``, computed in float64
+    on the host and made into arrays for this call."""
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+
+
 def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, mx.array]:
     """float32 ``(L, R/2)`` cosines and sines of ``positions[l] * inv_freq[i]`` (computed in
     float64).
 
     Integer positions in increasing arithmetic progression from 0 or above (a chunk's, or
     its compressed rows' ``g * ratio``) are sliced from a device table of positions
-    ``0 .. 2^k - 1`` (at least 4,096) built once per `inv_freq`
-    (`_device_table`); others are computed for the call. Arrays made from host data in
-    every layer of every chunk cost the GPU prefill dearly: building one 2,048-token
+    ``0 .. 2^k - 1`` (at least 4,096) built once per `inv_freq` (`_device_table`); others
+    are computed for the call (`host_angles`). Arrays made from host data in every layer
+    of every chunk cost the GPU prefill dearly: building one 2,048-token
     chunk's graph of DeepSeek-V4-Flash's first 4 layers took 32-54 ms on the H200's host
     with them (about 11 a layer) and 3-5 ms without, and the prefill with them runs at
     0.68-0.76x (`bench.gpu_deepseek4.ablate`, ``host_angle_tables``; docs/benchmarks.md)."""
@@ -66,8 +73,7 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
         start, step = int(ints[0]), int(ints[1] - ints[0]) if L > 1 else 1
         affine = start >= 0 and step > 0 and np.array_equal(ints, start + step * np.arange(L))
     if not affine:
-        angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-        return mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+        return host_angles(inv_freq, positions)
     last = start + step * (L - 1)
     cos, sin = _device_table(inv_freq.tobytes(), max(4096, 1 << last.bit_length()))
     stop = last + 1
@@ -83,8 +89,7 @@ def _device_table(inv_freq: bytes, length: int) -> tuple[mx.array, mx.array]:
     a longer table replaces the shorter one (2 x 32 float32 per position: 256 MiB at 1M)."""
     held = _tables.get(inv_freq)
     if held is None or held[0].shape[0] < length:
-        angles = np.arange(length, dtype=np.float64)[:, None] * np.frombuffer(inv_freq)[None, :]
-        held = mx.array(np.cos(angles), mx.float32), mx.array(np.sin(angles), mx.float32)
+        held = host_angles(np.frombuffer(inv_freq), np.arange(length))
         mx.eval(held)
         _tables[inv_freq] = held
     return held

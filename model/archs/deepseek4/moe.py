@@ -162,16 +162,21 @@ FREE_CAP = 48  # 4.0-4.3 ms up to 16 rows an expert (weights' streaming), 5.1 ms
 PAD_LIMIT = 12.0  # padded rows per real pair past that; the crossover measured ~15 at 2,048
 
 
+def busiest_rows(counts: np.ndarray) -> int:
+    """The largest of `counts` (int ``(E,)``) rounded up to a multiple of 16: the rows per
+    expert of the padded layout (a chunk length yields few distinct matmul shapes)."""
+    return -(-int(counts.max(initial=0)) // 16) * 16
+
+
 def padded_capacity(counts: np.ndarray, n_pairs: int) -> int | None:
     """Rows per expert for `MoE._padded`, or ``None`` where ``gather_mm`` is faster.
 
     `counts`: int ``(E,)``, (token, expert) pairs per expert; `n_pairs` their sum. The
-    capacity is the largest count rounded up to a multiple of 16 (a chunk length yields few
-    distinct matmul shapes). Declined below `MIN_PAIRS` pairs, and where the capacity is
+    capacity is `busiest_rows`. Declined below `MIN_PAIRS` pairs, and where the capacity is
     over `FREE_CAP` and the ``E * cap`` padded rows exceed `PAD_LIMIT` times the pairs
     (routing skewed onto a few experts).
     """
-    cap = -(-int(counts.max(initial=0)) // 16) * 16
+    cap = busiest_rows(counts)
     if n_pairs < MIN_PAIRS or cap == 0:
         return None
     if cap > FREE_CAP and counts.size * cap > PAD_LIMIT * n_pairs:
