@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gemma3-270m-llamacpp.json"
@@ -131,6 +132,18 @@ def machine_context(suite: str, redis: bool = False) -> dict:
         context["redis"] = subprocess.run(["redis-server", "--version"], capture_output=True,
                                           text=True).stdout.strip()
     return context | {"suite": suite}
+
+
+@contextmanager
+def patched(obj, name: str, value):
+    """``obj.name = value`` for the block, the old value restored on exit (benchmarks that
+    take a part of the product away; tests use pytest's monkeypatch)."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
 
 
 def log(message: str) -> None:

@@ -31,7 +31,7 @@ import argparse
 import datetime
 import os
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,20 +40,10 @@ from model.archs import gemma3
 from model.kernels import flash_attention as fa
 from model.prefill import finish_chunk, launch_chunk, start_prefill
 
-from .common import Recorder, interleaved, log, refuse_existing
+from .common import Recorder, interleaved, log, patched, refuse_existing
 from .gpu import gemma3_model
 
 REPEATS = 3
-
-
-@contextmanager
-def patched(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def _prefill(model, n: int, chunk: int, pipelined: bool = False) -> tuple[float, float]:

@@ -37,7 +37,7 @@ from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4.sparse import gathered_attention
 from model.kernels import sparse_attention as sa
 
-from .common import Recorder, interleaved, log
+from .common import Recorder, interleaved, log, patched
 from .gpu_attention import BF16_TOLERANCE, _seconds
 
 H, D = 64, 512
@@ -86,12 +86,9 @@ def check_sparse_kernel(rec: Recorder) -> bool:
 def masked_dense():
     """DeepSeek-V4 attention as it ran before the kernel: MLX's attention over every key
     under a mask (compressed rows included), no gathering; restored on exit."""
-    saved = sa.applies, ds_model.Attention.gather_top_k
-    sa.applies, ds_model.Attention.gather_top_k = (lambda q, kv: False), False
-    try:
+    with patched(sa, "applies", lambda q, kv: False), \
+            patched(ds_model.Attention, "gather_top_k", False):
         yield
-    finally:
-        sa.applies, ds_model.Attention.gather_top_k = saved
 
 
 def _layer_outputs(model, layer: int, xs: list[mx.array]) -> list[mx.array]:
@@ -236,8 +233,6 @@ def experts_sweep(rec: Recorder, cases=EXPERT_SWEEP) -> None:
     """Both GPU expert paths over `cases` of chunk length and skew, the padded layout forced
     (`MIN_PAIRS` and `PAD_LIMIT` lifted), each record with its padded rows over the real
     pairs: where `MoE._padded` stops paying is where `padded_capacity` declines."""
-    from .gpu_ablate import patched
-
     args = deepseek4.flash_args()
     moe = _routed_layer(args, mx.bfloat16)
     with patched(deepseek4.moe, "PAD_LIMIT", float("inf")), \
@@ -277,8 +272,7 @@ def ablate(rec: Recorder, n: int = 8192, chunk: int = 2048, repeats: int = 3,
     (default DeepSeek-V4-Flash; random `dtype` weights), `n` tokens in `chunk`-token
     chunks, the variants alternating in one process, each the fastest of `repeats`, with
     its ratio to ``baseline``."""
-    from .gpu import one_prefill_seconds
-    from .gpu_ablate import patched
+    from .gpu import one_prefill_seconds  # it imports this module
 
     net = deepseek4.dummy_model(args or deepseek4.flash_args(), n_layers=n_layers, dtype=dtype)
 

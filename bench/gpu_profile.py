@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from .common import Recorder, log
+from .common import Recorder, log, patched
 from .gpu import gemma3_model, one_prefill_seconds, prefill_seconds
 
 EXPERT_PATHS = {"padded": "padded batched matmuls (host sync)", "gathered": "gather_mm",
@@ -111,14 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}, {n} tokens")
         profile_case(rec, label, ds, targets, n, args.chunk)
     # the routed experts each way, at the first case's length
-    n, chosen = args.tokens[0], deepseek4.moe.expert_path
+    n = args.tokens[0]
     for path in ("padded", "gathered", "grouped"):
-        deepseek4.moe.expert_path = lambda p=path: p
         log(f"{label}, {n} tokens, experts {path}")
-        seconds = prefill_seconds(ds, n, args.chunk, repeats=2)
+        with patched(deepseek4.moe, "expert_path", lambda p=path: p):
+            seconds = prefill_seconds(ds, n, args.chunk, repeats=2)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", model=label, n_tokens=n,
             chunk_tokens=args.chunk, experts=EXPERT_PATHS[path])
-    deepseek4.moe.expert_path = chosen
     return 0
 
 
