@@ -37,8 +37,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from model.archs import gemma3
+from model.chunk import finish_chunk, launch_chunk
 from model.kernels import flash_attention as fa
-from model.prefill import finish_chunk, launch_chunk, start_prefill
+from model.prefill import start_prefill
 
 from .common import Recorder, interleaved, log, patched, refuse_existing
 from .gpu import gemma3_model

@@ -1,12 +1,13 @@
 """The KV cache contract every architecture's cache follows, its ring and window mask.
 
 - A layer writes a chunk's rows at the committed ``position``; ``commit`` advances it only
-  after the chunk was evaluated, so a chunk that raises leaves the cache ``poisoned``.
+  after the chunk was evaluated, so a chunk that raises leaves the cache ``poisoned``, and
+  a chunk whose job ends before it commits is ``abandon``-ed (`CommittedCache.begin`).
 - Append-only buffers need no copy to snapshot (restoring ``position`` hides later rows);
-  rings (`RingBuffer`) are copied.
+  rings (`RingBuffer`) are kept as values.
 - ``state()`` / ``from_state()`` turn a cache into named little-endian blobs plus a
   msgpack/JSON-able dict and back, exactly (`CommittedCache.state`, `model.cache_state`).
-- ``plan_cache`` is pure arithmetic over an architecture's layer shapes.
+- Plans (shapes and bytes) are `model.cache_plan`'s.
 
 The caches: `model.kv_cache.ModelCache` (global and sliding-window layers, Gemma 3) and
 `model.archs.deepseek4.cache.Deepseek4Cache`.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -27,37 +27,9 @@ from .cache_state import (
     STATE_VERSION,
     BufferView,
     CacheState,
-    dtype_bytes,
     load_buffers,
     save_buffers,
 )
-
-# hf2q grows a serving cache in steps of this many tokens (its ``INITIAL_CACHE_LENGTH``).
-SERVING_CAPACITY_STEP_TOKENS = 131_072
-
-
-def cache_capacity_for_request(
-    serving_context: int,
-    current_capacity: int,
-    prompt_tokens: int,
-    max_tokens: int = 1,
-    step: int = SERVING_CAPACITY_STEP_TOKENS,
-) -> int:
-    """Tokens of cache a request needs: `current_capacity` if ``prompt_tokens + max_tokens - 1``
-    fits in it, else that need rounded up to a multiple of `step`, capped at `serving_context`.
-
-    Source: hf2q ``cache_capacity_for_request`` (seed ``000_5548d34d07140090``), with its
-    131,072-token step made a parameter so small caches can grow in small steps.
-
-    Raises:
-        ValueError: `step` < 1.
-    """
-    if step < 1:
-        raise ValueError(f"capacity step must be >= 1 token, got {step}")
-    required = min(prompt_tokens + max(max_tokens, 1) - 1, serving_context)
-    if required <= current_capacity:
-        return current_capacity
-    return min(-(-required // step) * step, serving_context)
 
 
 class CacheError(RuntimeError):
@@ -66,6 +38,10 @@ class CacheError(RuntimeError):
 
 class CachePoisoned(CacheError):
     """A chunk failed part-way; the cache must be ``reset()`` before further use."""
+
+
+class ChunkInFlight(CacheError):
+    """A launched chunk is neither committed nor abandoned: the buffers hold its writes."""
 
 
 class ContextExhausted(CacheError):
@@ -125,94 +101,27 @@ class RingBuffer:
             self.data[self._at(0, keep - first)] = rows[self._at(first, keep)]
 
 
-@dataclass(frozen=True)
-class LayerSpec:
-    """Shape of one attention layer's cache.
-
-    Attributes:
-        n_kv_heads: KV heads.
-        head_dim: width of one key (and value) row.
-        window: sliding-window length in tokens, or None for global attention.
-    """
-
-    n_kv_heads: int
-    head_dim: int
-    window: int | None = None
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    kind: str  # "global" (append-only) or "window" (ring)
-    rows: int
-    row_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        return self.rows * self.row_bytes
-
-
-@dataclass(frozen=True)
-class CachePlan:
-    """Byte accounting of a cache for `context_length` tokens.
-
-    Attributes:
-        layers: per-layer rows and bytes (K and V together).
-        bytes_per_token: context-linear bytes per token (append-only layers).
-        fixed_bytes: bytes that do not grow with context (ring windows once full).
-        resident_bytes: total bytes of all buffers at `context_length`.
-    """
-
-    context_length: int
-    kv_dtype: str
-    layers: tuple[LayerPlan, ...]
-    bytes_per_token: int
-    fixed_bytes: int
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(layer.bytes for layer in self.layers)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-    def describe_layers(self) -> list[str]:
-        """One line per layer, e.g. ``layer  0: sliding 512 rows x 2048 B``."""
-        return [
-            f"layer {i:>2}: {layer.kind} {layer.rows} rows x {layer.row_bytes} B"
-            for i, layer in enumerate(self.layers)
-        ]
-
-
-def plan_cache(specs: list[LayerSpec], context_length: int, kv_dtype: mx.Dtype) -> CachePlan:
-    """Plan buffers for `specs` at `context_length` tokens of `kv_dtype` rows (pure)."""
-    item = dtype_bytes(kv_dtype)
-    layers, per_token, fixed = [], 0, 0
-    for spec in specs:
-        row_bytes = 2 * spec.n_kv_heads * spec.head_dim * item  # K and V
-        if spec.window is None:
-            layers.append(LayerPlan("global", context_length, row_bytes))
-            per_token += row_bytes
-        else:
-            rows = min(context_length, spec.window)
-            layers.append(LayerPlan("window", rows, row_bytes))
-            fixed += spec.window * row_bytes
-    return CachePlan(context_length, str(kv_dtype), tuple(layers), per_token, fixed)
-
-
 class CommittedCache:
     """Bookkeeping every architecture's cache shares: commit after success, poison, reset,
     and the exact byte state.
 
+    A chunk's life: `begin` (its graph is about to write the buffers), then `commit` once it
+    evaluated, or `abandon` (its job ended with the chunk in flight: the buffers go back to
+    the last commit, exactly). While a chunk is in flight nothing may leave the cache:
+    `snapshot` and `state` raise `ChunkInFlight`.
+
     Subclasses set ``layers`` (each with ``reset()``), ``position``, ``context_length`` and
     ``_poisoned`` in ``__init__``, and define ``check_chunk(n_tokens)``, ``arrays()``,
-    ``capacity``, ``buffers()`` and ``layout()`` (the metadata `from_state` checks).
+    ``capacity``, ``buffers()``, ``layout()`` (the metadata `from_state` checks),
+    ``_snapshot()`` and ``restore(snapshot)``.
     """
 
     layers: list
     position: int
     context_length: int
     _poisoned: bool
+    # chunks begun and not committed, oldest first: (tokens, snapshot at the chunk's start)
+    _in_flight: tuple[tuple[int, object], ...] = ()
 
     def __getitem__(self, i: int):
         return self.layers[i]
@@ -248,10 +157,73 @@ class CommittedCache:
         """Architecture, dtype and shapes: what must match for `from_state` to load."""
         raise NotImplementedError
 
+    @property
+    def in_flight(self) -> int:
+        """Tokens of the chunks begun (`begin`) and not yet committed or abandoned."""
+        return sum(n for n, _ in self._in_flight)
+
+    def begin(self, n_tokens: int) -> None:
+        """A chunk of `n_tokens` after those in flight is about to write the buffers.
+
+        Keeps a rollback point for `abandon`: a snapshot at the chunk's start (references to
+        the ring and recurrent-state arrays, which a chunk rewrites; MLX arrays are values,
+        so this copies nothing, though the first write after it copies what it rewrites
+        instead of updating it in place). Append-only rows need none: past the committed
+        position they are dead.
+        """
+        self._in_flight = (*self._in_flight, (n_tokens, self._snapshot()))
+
     def commit(self, n_tokens: int) -> None:
-        """Advance the position after a chunk of `n_tokens` completed and was evaluated."""
+        """Advance the position after a chunk of `n_tokens` completed and was evaluated.
+
+        Raises:
+            ValueError: chunks are in flight and the oldest is not of `n_tokens` tokens.
+            CachePoisoned, ContextExhausted: as `check_chunk`.
+        """
+        if self._in_flight and self._in_flight[0][0] != n_tokens:
+            raise ValueError(f"commit of {n_tokens} tokens, but the oldest chunk in flight "
+                             f"has {self._in_flight[0][0]}")
         self.check_chunk(n_tokens)
         self.position += n_tokens
+        self._in_flight = self._in_flight[1:]
+
+    def abandon(self) -> None:
+        """Drop every chunk in flight: the buffers are back at the last commit, exactly as
+        before the oldest one began, so the cache may be kept (a session's slot) or saved.
+        A poisoned cache stays poisoned (a failed chunk may have grown buffers in place).
+        Does nothing when no chunk is in flight."""
+        if not self._in_flight:
+            return
+        (_, snapshot), *_ = self._in_flight
+        poisoned = self._poisoned
+        try:
+            self.restore(snapshot)
+        except CacheError:  # a chunk in flight grew the cache: the old layout's point is gone
+            poisoned = True
+        self._poisoned, self._in_flight = poisoned, ()
+
+    def snapshot(self):
+        """Exact rollback point at the committed position (`restore` returns to it).
+
+        Raises:
+            CachePoisoned: the cache holds a half-written chunk.
+            ChunkInFlight: a launched chunk's writes are in the buffers.
+        """
+        self._check_settled("snapshot")
+        return self._snapshot()
+
+    def _snapshot(self):
+        raise NotImplementedError
+
+    def restore(self, snapshot) -> None:
+        raise NotImplementedError
+
+    def _check_settled(self, what: str) -> None:
+        if self._poisoned:
+            raise CachePoisoned(f"cannot {what} a poisoned cache")
+        if self._in_flight:
+            raise ChunkInFlight(f"cannot {what} a cache with {self.in_flight} tokens in flight: "
+                                f"commit or abandon them first")
 
     @contextmanager
     def ahead(self, n_tokens: int) -> Iterator[None]:
@@ -273,7 +245,7 @@ class CommittedCache:
         for layer in self.layers:
             layer.reset()
         self.position = 0
-        self._poisoned = False
+        self._poisoned, self._in_flight = False, ()
 
     def state(self, since: int = 0) -> CacheState:
         """The cache at ``position`` as named little-endian blobs plus metadata (exact).
@@ -287,9 +259,9 @@ class CommittedCache:
             since: a committed position ``<= position`` (0 = a complete state).
         Raises:
             CachePoisoned: the cache holds a half-written chunk.
+            ChunkInFlight: a launched chunk's writes are in the buffers.
         """
-        if self._poisoned:
-            raise CachePoisoned("cannot save the state of a poisoned cache")
+        self._check_settled("save the state of")
         assert 0 <= since <= self.position, f"since {since} outside [0, {self.position}]"
         meta = {"version": STATE_VERSION, **self.layout(), "position": self.position,
                 "capacity": self.capacity, "context_length": self.context_length}
@@ -307,7 +279,7 @@ class CommittedCache:
         except ValueError as e:
             raise CacheStateError(str(e)) from e
         mx.eval(self.arrays())
-        self._poisoned = False
+        self._poisoned, self._in_flight = False, ()
 
 
 def check_layout(meta: dict, expected: dict) -> None:

@@ -11,18 +11,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import (
-    CachePlan,
     CachePoisoned,
     CacheStateError,
     CommittedCache,
     ContextExhausted,
-    LayerSpec,
     RingBuffer,
     check_layout,
     kv_dtype_of,
-    plan_cache,
     window_mask,
 )
+from .cache_plan import CachePlan, LayerSpec, plan_cache
 from .cache_state import BufferView, CacheState, dtype_name
 
 # Global-attention buffers grow in steps of this many tokens (mlx-lm's KVCache step) when a
@@ -269,18 +267,17 @@ class ModelCache(CommittedCache):
         cache.load_state(state)
         return cache
 
-    def snapshot(self) -> CacheSnapshot:
-        """Exact rollback point at the current position (copies only ring layers)."""
-        if self._poisoned:
-            raise CachePoisoned("cannot snapshot a poisoned cache")
+    def _snapshot(self) -> CacheSnapshot:
+        # `snapshot`: the ring layers' arrays (values), nothing for append-only layers
         return CacheSnapshot(self.position, tuple(layer.snapshot() for layer in self.layers))
 
     def restore(self, snapshot: CacheSnapshot) -> None:
-        """Return to `snapshot`; append-only rows past its position become dead."""
+        """Return to `snapshot`; append-only rows past its position become dead, and chunks
+        in flight are dropped."""
         for layer, saved in zip(self.layers, snapshot.layers, strict=True):
             layer.restore(saved)
         self.position = snapshot.position
-        self._poisoned = False
+        self._poisoned, self._in_flight = False, ()
 
     def grow(self, capacity: int, snapshot: CacheSnapshot | None = None) -> CacheSnapshot | None:
         """Reallocate the global layers for `capacity` tokens, migrating the live prefix
@@ -291,11 +288,11 @@ class ModelCache(CommittedCache):
 
         Raises:
             CachePoisoned: the cache holds a half-written chunk.
+            ChunkInFlight: a launched chunk's rows past the position would not migrate.
             ValueError: `capacity` is not above the current capacity or past the context, or
                 `snapshot` is ahead of the position.
         """
-        if self._poisoned:
-            raise CachePoisoned("cannot grow a poisoned cache")
+        self._check_settled("grow")
         if not self.capacity < capacity <= self.context_length:
             raise ValueError(f"cannot grow a cache of {self.capacity} tokens to {capacity} "
                              f"(context {self.context_length})")

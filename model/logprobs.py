@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .prefill import PrefillModel, top_k
+from .chunk import PrefillModel
+from .prefill import top_k
 
 
 def chunk_head(model: PrefillModel, every: mx.array, targets: Sequence[int], k: int):

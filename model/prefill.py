@@ -11,107 +11,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import CachePoisoned
 from .cache_state import CacheState, dtype_name
+from .chunk import PrefillModel, eval_or_poison, finish_chunk, launch_chunk
 from .kv_cache import ModelCache
 from .planner import ChunkPlan, plan_chunks
 
 if TYPE_CHECKING:
     from .logprobs import PromptLogprobs
-
-
-class PrefillModel(Protocol):
-    """What an architecture module's ``Model`` provides to the prefill loop."""
-
-    sliding_window: int
-
-    def __call__(self, inputs: mx.array, cache: ModelCache,
-                 every_position: bool = ...) -> mx.array: ...
-
-    def logits(self, hidden: mx.array) -> mx.array: ...
-
-    def make_cache(
-        self,
-        kv_dtype: mx.Dtype = ...,
-        capacity: int = ...,
-        context_length: int = ...,
-        capacity_step: int | None = ...,
-    ) -> ModelCache: ...
-
-    def cache_from_state(self, state: CacheState) -> ModelCache: ...
-
-
-def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
-    """Run `token_ids` at ``cache.position``, evaluate, then commit them.
-
-    Returns:
-        float ``(1, hidden)``: the last position's final hidden state (evaluated).
-    Raises:
-        CachePoisoned: the cache was poisoned earlier. Anything the forward pass raises,
-        after poisoning the cache (rows past its position may be half written).
-    """
-    hidden, _ = launch_chunk(model, cache, token_ids)
-    return finish_chunk(cache, hidden, len(token_ids))
-
-
-def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int],
-                 logprobs: PromptLogprobs | None = None) -> tuple[mx.array, tuple]:
-    """Build the forward pass of `token_ids` at ``cache.position`` and start evaluating it
-    (``mx.async_eval``) without waiting; `finish_chunk` waits and commits. Nothing else may
-    touch `cache` in between but building the next chunk ahead of it (`Prefill.run`).
-
-    Args:
-        logprobs: a job's prompt log-probabilities: the head also runs on every position.
-    Returns:
-        float ``(1, hidden)``: the last position's final hidden state, and the lazy
-        ``logprobs.launch`` outputs (empty without `logprobs`), both being evaluated.
-    Raises:
-        CachePoisoned: the cache was poisoned earlier. Anything building the graph raises,
-        after poisoning the cache.
-    """
-    cache.check_chunk(len(token_ids))
-    start = cache.position
-    try:
-        inputs = mx.array(token_ids, dtype=mx.int32)[None]
-        if logprobs is None:
-            hidden, head = model(inputs, cache), ()
-        else:
-            every = model(inputs, cache, every_position=True)  # (1, L, hidden)
-            hidden, head = every[:, -1], logprobs.launch(model, every, start)
-        mx.async_eval(hidden, *head, cache.arrays())
-    except BaseException:
-        cache.poison()
-        raise
-    return hidden, head
-
-
-def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
-                 head: tuple = ()) -> mx.array:
-    """Wait for a `launch_chunk` of `n_tokens` tokens (and its `head` outputs), then commit
-    them.
-
-    Returns:
-        `hidden`, evaluated.
-    Raises:
-        Anything the forward pass raises, after poisoning the cache.
-    """
-    eval_or_poison(cache, hidden, *head, cache.arrays())
-    cache.commit(n_tokens)
-    return hidden
-
-
-def eval_or_poison(cache: ModelCache, *arrays) -> None:
-    """``mx.eval(*arrays)``; whatever it raises poisons `cache` first."""
-    try:
-        mx.eval(*arrays)
-    except BaseException:
-        cache.poison()
-        raise
 
 
 @dataclass
@@ -188,7 +100,7 @@ class Prefill:
         tokens it committed.
 
         Raises:
-            ValueError: the prefill is already done. Whatever `prefill_chunk` raises
+            ValueError: the prefill is already done. Whatever `model.chunk.finish_chunk` raises
             (a launched chunk's error included).
         """
         launched, self._launched = self._launched, None
@@ -222,6 +134,13 @@ class Prefill:
             self._launched = self._launch()
         except Exception as error:  # raised where the chunk's outcome is handled
             self._launched = error
+
+    def abandon(self) -> None:
+        """Drop a launched chunk that will not be stepped (its job ended meanwhile): the
+        cache is back at the last committed chunk (`CommittedCache.abandon`), as if it had
+        never been launched, so it may be kept or saved. Does nothing when none is."""
+        self._launched = None
+        self.cache.abandon()
 
     def _launch(self) -> tuple[int, int, tuple, float, float]:
         start, end = self.plan.next_chunk(self.cursor)

@@ -19,11 +19,12 @@ import mlx.core as mx
 from .archs import get_arch
 from .archs.deepseek4 import flash_args
 from .cache_state import CacheState
+from .chunk import PrefillModel
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .gguf.store import build_once
 from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
 from .planner import ChunkPlan
-from .prefill import Prefill, PrefillModel, resume_prefill, start_prefill
+from .prefill import Prefill, resume_prefill, start_prefill
 from .runtime.streams import cpu_streams
 from .session import SessionSlot, session_prefill
 from .tokenizer import Tokenizer
@@ -251,7 +252,7 @@ def plan_for(spec: str, context_length: int | None = None, kv_dtype: mx.Dtype = 
         context_length: tokens to plan for (default: the model's context length).
         kv_dtype: KV row dtype (default bf16, what a worker on a GPU stores).
     Returns:
-        the architecture's ``cache_plan``: a `model.cache.CachePlan` or a
+        the architecture's ``cache_plan``: a `model.cache_plan.CachePlan` or a
         `model.archs.deepseek4.cache.Deepseek4CachePlan`; both have ``n_layers``,
         ``context_length``, ``kv_dtype``, ``bytes_per_token``, ``fixed_bytes`` and
         ``resident_bytes``.

@@ -26,9 +26,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cache import cache_capacity_for_request
+from .cache_plan import cache_capacity_for_request
+from .chunk import PrefillModel
 from .planner import RECOVERY_TAIL_TOKENS, ChunkPlan, plan_chunks, recovery_position
-from .prefill import Prefill, PrefillModel, check_prompt
+from .prefill import Prefill, check_prompt
 
 __all__ = [
     "MAX_CHEAP_INCREMENTAL_SUFFIX_TOKENS", "MIN_MATRIX_REUSE_PREFIX_TOKENS",
@@ -137,6 +138,9 @@ class SessionCache(Protocol):
     def is_poisoned(self) -> bool: ...
 
     @property
+    def in_flight(self) -> int: ...
+
+    @property
     def nbytes(self) -> int: ...
 
     def snapshot(self) -> Any: ...
@@ -201,7 +205,8 @@ class SessionSlot:
         return not self.committed and not self.anchor_tokens
 
     def _live_position(self) -> int:
-        ok = not self.cache.is_poisoned and self.hidden is not None
+        # a chunk in flight has written rows no committed token accounts for
+        ok = not self.cache.is_poisoned and not self.cache.in_flight and self.hidden is not None
         return self.cache.position if ok else -1
 
     def _anchor_position(self) -> int:

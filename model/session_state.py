@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .cache import CacheStateError
 from .cache_state import CacheState, dtype_name, from_bytes, to_bytes
-from .prefill import PrefillModel
+from .chunk import PrefillModel
 from .session import SessionSlot
 
 SLOT_STATE_VERSION = 1

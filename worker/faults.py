@@ -4,7 +4,7 @@
 
 - ``raise_in_chunk``: the forward pass of a matching job raises `InjectedFault` after the
   model ran, so the cache holds the chunk's rows uncommitted, as a real error inside the
-  model leaves it (`model.prefill.launch_chunk` poisons it). ``chunk=N`` picks the Nth
+  model leaves it (`model.chunk.launch_chunk` poisons it). ``chunk=N`` picks the Nth
   forward pass of the attempt (default 1).
 - ``pause_before_publish``: once a matching job's last chunk ran and its logits are
   computed, the worker logs ``fault: job <id> paused before_publish`` and sleeps

@@ -350,10 +350,10 @@ class Stepper:
 
     def drop(self, active: ActiveJob, *, deregister: bool = True,
              ended: JobState | None = None) -> None:
-        """Forget `active` here (its cache is released, or kept as its session's slot,
-        consistent at its last committed chunk); room for the next job. A job that `ended`
-        (the terminal state its script returned) has its checkpoints deleted and is
-        counted."""
+        """Forget `active` here: a chunk launched for it is abandoned, and its cache released
+        or kept as its session's slot at its last committed chunk; room for the next job. A
+        job that `ended` (its script's terminal state) has its checkpoints deleted, counted."""
+        active.prefill.abandon()
         self.active.pop(active.job_id, None)
         self.admission.room_freed()
         if ended and active.checkpoints is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import CachePlan, LayerSpec, plan_cache, window_mask
+from ..cache import window_mask
+from ..cache_plan import CachePlan, LayerSpec, plan_cache
 from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import load_gguf_weights
@@ -343,6 +344,6 @@ def cache_plan(args: ModelArgs, context_length: int, kv_dtype: mx.Dtype) -> Cach
     """Sizes of the KV cache for `context_length` tokens of `kv_dtype` rows (not allocated).
 
     Raises:
-        the errors of `model.cache.plan_cache` (e.g. an empty context).
+        the errors of `model.cache_plan.plan_cache` (e.g. an empty context).
     """
     return plan_cache(args.layer_specs(), context_length, kv_dtype)

@@ -10,12 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.cache import (
-    CachePoisoned,
-    ContextExhausted,
-    LayerSpec,
-    plan_cache,
-)
+from model.cache import CachePoisoned, ContextExhausted
+from model.cache_plan import LayerSpec, plan_cache
 from model.kv_cache import CAPACITY_STEP_TOKENS, GlobalKVCache, ModelCache, RingKVCache
 
 W = 8  # test window

@@ -17,7 +17,7 @@ import pytest
 
 from model.cache import CachePoisoned, CacheStateError
 from model.cache_state import STATE_VERSION, CacheState
-from model.prefill import prefill_chunk
+from model.chunk import prefill_chunk
 from tests.exactness import assert_contract
 
 N_TINY = 300  # both tiny models: 16-token windows wrap, 2 ratio-128 groups, 75 ratio-4 rows

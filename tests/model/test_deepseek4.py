@@ -16,9 +16,10 @@ from model.archs.deepseek4 import cache as dc
 from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4 import moe as ds_moe
 from model.archs.deepseek4 import planning as dp
+from model.chunk import prefill_chunk
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
-from model.prefill import prefill_chunk, start_prefill
+from model.prefill import start_prefill
 
 # Chunked vs one pass, and MLX vs the float64 reference: max |diff| <= 1e-3 x max |logit|.
 EXACT_RTOL = 1e-3

@@ -111,12 +111,6 @@ def test_allocation_matches_plan():
         assert np.all(np.array(cache[2].indexer_kv_state) == 0)
 
 
-def test_cache_capacity_for_request_seed_values():
-    assert dp.cache_capacity_for_request(524_288, 131_072, 98_000, 8_192) == 131_072
-    assert dp.cache_capacity_for_request(524_288, 131_072, 131_000, 8_192) == 262_144
-    assert dp.cache_capacity_for_request(524_288, 262_144, 510_000, 32_768) == 524_288
-
-
 def test_plan_errors():
     with pytest.raises(dp.EmptyContext):
         dp.plan(flash_args(), 0)

@@ -13,10 +13,10 @@ import pytest
 from model.archs import deepseek4 as ds
 from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4.sparse import compressed_slots, gathered_attention, window_slots
+from model.chunk import prefill_chunk
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
 from model.kernels import sparse_attention as sa
-from model.prefill import prefill_chunk
 
 # float32 on the CPU: gathered vs masked dense attention measure ~3e-7 x max |out|.
 ATTENTION_BOUND = 3e-6

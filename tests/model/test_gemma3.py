@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.cache import CachePoisoned, LayerSpec, plan_cache
+from model.cache import CachePoisoned
+from model.cache_plan import LayerSpec, plan_cache
 from model.kv_cache import GlobalKVCache
 from model.planner import DEFAULT_CHUNK_TOKENS
 from model.prefill import start_prefill

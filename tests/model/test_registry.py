@@ -19,7 +19,7 @@ from gguf import GGUFWriter
 
 from model import archs, registry
 from model.archs import deepseek4, gemma3
-from model.cache import plan_cache
+from model.cache_plan import plan_cache
 from model.gguf.reader import GGUFError, file_sha256, read_gguf
 from model.registry import ModelNotFound, gemma3_270m_path, load_model, plan_for, resolve
 

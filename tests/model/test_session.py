@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.cache import SERVING_CAPACITY_STEP_TOKENS
+from model.cache_plan import SERVING_CAPACITY_STEP_TOKENS
 from model.planner import ChunkPlan, plan_chunks
 from model.session import (
     MAX_CHEAP_INCREMENTAL_SUFFIX_TOKENS,

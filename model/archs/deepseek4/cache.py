@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from ... import cache as base
+from ...cache_plan import cache_capacity_for_request
 from ...cache_state import BufferView, CacheState, dtype_name
 from .planning import (
     ARCHITECTURE,
@@ -30,7 +31,6 @@ from .planning import (
     Deepseek4CachePlan,
     LayerCachePlan,
     SlidingWindow,
-    cache_capacity_for_request,
     plan,
     plan_dtype,
 )
@@ -126,7 +126,8 @@ _COPIED_KINDS = ("window",) + STATE_KINDS
 class Deepseek4Cache(base.CommittedCache):
     """One job's DeepSeek-V4 cache (the `model.kv_cache.ModelCache` interface).
 
-    ``capacity_step``: tokens the capacity grows by (`model.cache.cache_capacity_for_request`).
+    ``capacity_step``: tokens the capacity grows by
+    (`model.cache_plan.cache_capacity_for_request`).
 
     Args:
         args: the model's `deepseek4.ModelArgs`.
@@ -252,15 +253,12 @@ class Deepseek4Cache(base.CommittedCache):
             raise base.ContextExhausted(f"DeepSeek-V4 cache is full at {self.capacity} tokens")
         super().commit(n_tokens)
 
-    def snapshot(self) -> Deepseek4CacheSnapshot:
-        """Rollback point at the current position (copies rings and compressor state)."""
-        if self._poisoned:
-            raise base.CachePoisoned("cannot snapshot a poisoned DeepSeek-V4 cache")
+    def _snapshot(self) -> Deepseek4CacheSnapshot:
+        # `snapshot`: the rings' and compressor state's arrays (values; a later write copies)
         layers = tuple(
             {k: mx.array(getattr(layer, k)) for k in _COPIED_KINDS if getattr(layer, k) is not None}
             for layer in self.layers
         )
-        mx.eval([a for layer in layers for a in layer.values()])
         return Deepseek4CacheSnapshot(self._plan, self.position, layers)
 
     def restore(self, snapshot: Deepseek4CacheSnapshot) -> None:
@@ -275,7 +273,7 @@ class Deepseek4Cache(base.CommittedCache):
             for kind, array in saved.items():
                 setattr(layer, kind, mx.array(array))
         self.position = snapshot.position
-        self._poisoned = False
+        self._poisoned, self._in_flight = False, ()
 
     def migrate_from(
         self, source: Deepseek4Cache, snapshot: Deepseek4CacheSnapshot | None = None

@@ -21,13 +21,14 @@ from typing import Any
 import mlx.core as mx
 
 from ... import cache as base
+from ...cache_plan import SERVING_CAPACITY_STEP_TOKENS
+from ...cache_state import dtype_bytes
 
 ARCHITECTURE = "deepseek4"  # general.architecture of its GGUFs
 SUPPORTED_RATIOS = (0, 4, 128)
 OVERLAP_RATIO = 4  # only ratio-4 compressors overlap (and only ratio-4 layers index)
 # A serving cache grows in steps of this many tokens (hf2q's INITIAL_CACHE_LENGTH).
-INITIAL_CACHE_LENGTH = base.SERVING_CAPACITY_STEP_TOKENS
-cache_capacity_for_request = base.cache_capacity_for_request  # the rule every cache grows by
+INITIAL_CACHE_LENGTH = SERVING_CAPACITY_STEP_TOKENS
 STATE_DTYPE = mx.float32
 STATE_KINDS = ("main_kv_state", "main_score_state", "indexer_kv_state", "indexer_score_state")
 
@@ -131,7 +132,7 @@ class Deepseek4CachePlan:
 
 
 def _buffer(kind: str, shape: tuple[int, ...], dtype: mx.Dtype, ratio: int = 0) -> BufferPlan:
-    item = base.dtype_bytes(dtype)
+    item = dtype_bytes(dtype)
     row_bytes = item * shape[1]
     per_token = Fraction(row_bytes, ratio) if ratio else Fraction(0)
     return BufferPlan(kind, shape, str(dtype), item * shape[0] * shape[1], per_token)
@@ -181,7 +182,7 @@ def plan(args: Any, context_length: int, kv_dtype: mx.Dtype = mx.bfloat16) -> De
     layers, per_token, fixed = [], Fraction(0), 0
     for layer, r in enumerate(args.compress_ratios):
         buffers = [_buffer("window", (min(context_length, W), hd), kv_dtype)]
-        fixed += W * hd * base.dtype_bytes(kv_dtype)
+        fixed += W * hd * dtype_bytes(kv_dtype)
         if r:
             buffers.append(_buffer("compressed", (context_length // r, hd), kv_dtype, r))
             states = _state_buffers("main", r, hd)

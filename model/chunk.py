@@ -1,0 +1,109 @@
+"""One chunk's forward pass against a job's KV cache: launch, then commit or poison.
+
+`launch_chunk` builds a chunk's graph at the cache's committed position and starts it;
+`finish_chunk` waits for it and commits. Whatever raises in between poisons the cache; a
+chunk whose job ends first is abandoned (`model.cache.CommittedCache.abandon`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import mlx.core as mx
+
+from .cache_state import CacheState
+from .kv_cache import ModelCache
+
+if TYPE_CHECKING:
+    from .logprobs import PromptLogprobs
+
+
+class PrefillModel(Protocol):
+    """What an architecture module's ``Model`` provides to the prefill loop."""
+
+    sliding_window: int
+
+    def __call__(self, inputs: mx.array, cache: ModelCache,
+                 every_position: bool = ...) -> mx.array: ...
+
+    def logits(self, hidden: mx.array) -> mx.array: ...
+
+    def make_cache(
+        self,
+        kv_dtype: mx.Dtype = ...,
+        capacity: int = ...,
+        context_length: int = ...,
+        capacity_step: int | None = ...,
+    ) -> ModelCache: ...
+
+    def cache_from_state(self, state: CacheState) -> ModelCache: ...
+
+
+def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
+    """Run `token_ids` at ``cache.position``, evaluate, then commit them.
+
+    Returns:
+        float ``(1, hidden)``: the last position's final hidden state (evaluated).
+    Raises:
+        CachePoisoned: the cache was poisoned earlier. Anything the forward pass raises,
+        after poisoning the cache (rows past its position may be half written).
+    """
+    hidden, _ = launch_chunk(model, cache, token_ids)
+    return finish_chunk(cache, hidden, len(token_ids))
+
+
+def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int],
+                 logprobs: PromptLogprobs | None = None) -> tuple[mx.array, tuple]:
+    """Build the forward pass of `token_ids` at ``cache.position`` and start evaluating it
+    (``mx.async_eval``) without waiting; `finish_chunk` waits and commits. Nothing else may
+    touch `cache` in between but building the next chunk ahead of it (`Prefill.run`).
+
+    Args:
+        logprobs: a job's prompt log-probabilities: the head also runs on every position.
+    Returns:
+        float ``(1, hidden)``: the last position's final hidden state, and the lazy
+        ``logprobs.launch`` outputs (empty without `logprobs`), both being evaluated.
+    Raises:
+        CachePoisoned: the cache was poisoned earlier. Anything building the graph raises,
+        after poisoning the cache.
+    """
+    cache.check_chunk(len(token_ids))
+    start = cache.position
+    cache.begin(len(token_ids))
+    try:
+        inputs = mx.array(token_ids, dtype=mx.int32)[None]
+        if logprobs is None:
+            hidden, head = model(inputs, cache), ()
+        else:
+            every = model(inputs, cache, every_position=True)  # (1, L, hidden)
+            hidden, head = every[:, -1], logprobs.launch(model, every, start)
+        mx.async_eval(hidden, *head, cache.arrays())
+    except BaseException:
+        cache.poison()
+        raise
+    return hidden, head
+
+
+def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
+                 head: tuple = ()) -> mx.array:
+    """Wait for a `launch_chunk` of `n_tokens` tokens (and its `head` outputs), then commit
+    them.
+
+    Returns:
+        `hidden`, evaluated.
+    Raises:
+        Anything the forward pass raises, after poisoning the cache.
+    """
+    eval_or_poison(cache, hidden, *head, cache.arrays())
+    cache.commit(n_tokens)
+    return hidden
+
+
+def eval_or_poison(cache: ModelCache, *arrays) -> None:
+    """``mx.eval(*arrays)``; whatever it raises poisons `cache` first."""
+    try:
+        mx.eval(*arrays)
+    except BaseException:
+        cache.poison()
+        raise
