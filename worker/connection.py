@@ -8,12 +8,16 @@ a worker whose Redis is gone can exit. The retry hook is redis-py's `redis.retry
 
 Writes that Redis refuses (``maxmemory`` under ``noeviction``, a value over its size limit)
 are not connection errors: `refused_write` recognizes them so callers can fail or retry the
-one job instead of the worker.
+one job instead of the worker, and `until_accepted` retries a worker's start-up writes
+through the same backoff and deadline as an outage.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from redis import Redis
 from redis.backoff import ExponentialBackoff
@@ -28,6 +32,10 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from jobs.client import redis_url
+
+log = logging.getLogger("prefillq.worker")
+
+T = TypeVar("T")
 
 # Backoff between attempts while serving: 0.1 s doubling, at most 10 s.
 BACKOFF_BASE_S = 0.1
@@ -71,11 +79,17 @@ class Deadline:
 
 class ShutdownRetry(Retry):
     """`Retry` with capped exponential backoff that retries forever until its deadline is
-    set, then until the deadline only."""
+    set, then until the deadline only.
 
-    def __init__(self, deadline: Deadline | None = None):
+    Args:
+        deadline: shared with other retries (default: a new one, never set).
+        errors: the errors retried (default: an outage's).
+    """
+
+    def __init__(self, deadline: Deadline | None = None,
+                 errors: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)):
         super().__init__(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), retries=-1,
-                         supported_errors=(ConnectionError, TimeoutError))
+                         supported_errors=errors)
         self.deadline = deadline or Deadline()
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
@@ -164,3 +178,33 @@ def refused_write(error: BaseException) -> bool:
     text = str(error)
     return (text.startswith("OOM") or "OOM command not allowed" in text
             or "maximum allowed size" in text or "too large" in text)
+
+
+def until_accepted(connection, write: Callable[[], T], what: str) -> T:
+    """Call `write` until Redis accepts it: a refused write (`refused_write`) is retried as
+    an outage is, with `ShutdownRetry`'s backoff, until `connection`'s shutdown deadline
+    (`give_up_after`) or, on a connection without one, forever. Logs one warning at the
+    first refusal and one line once the write lands, however many attempts lie between.
+
+    Args:
+        connection: the connection `write` uses.
+        write: writes that are safe to repeat from the start (a registration).
+        what: what `write` does, for the log (``"the registration of w1's models"``).
+    Returns:
+        What `write` returned.
+    Raises:
+        redis.exceptions.ResponseError: the refusal, once the deadline has passed.
+        Exception: any other error of `write`, at once.
+    """
+    retry = ShutdownRetry(_deadline(connection), errors=(ResponseError,))
+    refused_at: list[float] = []
+
+    def refused(error: Exception) -> None:
+        if not refused_at:
+            refused_at.append(time.monotonic())
+            log.warning("Redis refused %s (%s); retrying until it has room", what, error)
+
+    result = retry.call_with_retry(write, refused, is_retryable=refused_write)
+    if refused_at:
+        log.info("Redis accepted %s after %.1f s", what, time.monotonic() - refused_at[0])
+    return result

@@ -50,7 +50,7 @@ from .admission import Admission
 from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from .checkpointing import Checkpointing
 from .checkpoints import open_store
-from .connection import RedisUnreachable, gave_up, give_up_after, refused_write
+from .connection import RedisUnreachable, gave_up, give_up_after, refused_write, until_accepted
 from .faults import FaultPlan
 from .heartbeat import Heartbeat
 from .sessions import SessionSlots
@@ -218,10 +218,25 @@ class PrefillWorker(SimpleWorker):
     # -- RQ hooks -----------------------------------------------------------------------
 
     def bootstrap(self, *args, **kwargs) -> None:
+        # Nothing of this worker is in Redis yet, so while Redis refuses writes (maxmemory)
+        # it waits, as for an outage, and beats only once registered: no heartbeat to keep.
         super().bootstrap(*args, **kwargs)
         log.info("%s", self._checkpoints_line)
-        self.register_models()
+        until_accepted(self.connection, self.register_models,
+                       f"the registration of {self.name}'s models")
         self.liveness.start()
+
+    def register_birth(self) -> None:
+        """RQ's registration of this worker, retried while Redis refuses it (`until_accepted`)."""
+        until_accepted(self.connection, super().register_birth,
+                       f"the registration of {self.name} with RQ")
+
+    def set_state(self, state: str, pipeline=None) -> None:
+        """RQ's record of the worker's state (`rq.worker.WorkerStatus`)."""
+        if state != WorkerStatus.STARTED:
+            super().set_state(state, pipeline)
+        else:  # written once at start and replaced by the next state: skipped if refused
+            _unless_refused("RQ's STARTED state", super().set_state, state, pipeline)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         # RQ asks for the next execution; while jobs are resident, their chunks run here,

@@ -31,10 +31,11 @@ MODULE_MAIN = [sys.executable, "-m", "worker"]
 
 class WorkerProcess:
     """``prefillq worker`` as a child process; its log goes to a file. `env` adds to the
-    environment it inherits (e.g. ``PREFILLQ_FAULTS``, `worker.faults`)."""
+    environment it inherits (e.g. ``PREFILLQ_FAULTS``, `worker.faults`); the constructor
+    returns once its heartbeat is up, or at once if not `registered`."""
 
     def __init__(self, url: str, name: str, tmp_path, *extra: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, registered: bool = True):
         self.name, self.url = name, url
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")
@@ -44,8 +45,9 @@ class WorkerProcess:
             stdout=self.log, stderr=subprocess.STDOUT,
             env=None if env is None else {**os.environ, **env},
         )
-        wait_for(lambda: redis.Redis.from_url(url).exists(keys.worker_heartbeat(name)),
-                 60, f"worker {name} did not register", self)
+        if registered:
+            wait_for(lambda: redis.Redis.from_url(url).exists(keys.worker_heartbeat(name)),
+                     60, f"worker {name} did not register", self)
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -135,15 +137,16 @@ def server(tmp_path):
 
 @pytest.fixture
 def workers(server, tmp_path):
-    """``start(name, *args, faults=None, url=None)``: a worker process on `server` (or on
-    `url`), with ``$PREFILLQ_FAULTS`` set to `faults` when given; all are stopped at the
-    end."""
+    """``start(name, *args, faults=None, url=None, registered=True)``: a worker process on
+    `server` (or on `url`), with ``$PREFILLQ_FAULTS`` set to `faults` when given, once
+    registered (`WorkerProcess`); all are stopped at the end."""
     started = []
 
-    def start(name: str, *extra: str, faults: str | None = None,
-              url: str | None = None) -> WorkerProcess:
+    def start(name: str, *extra: str, faults: str | None = None, url: str | None = None,
+              registered: bool = True) -> WorkerProcess:
         env = None if faults is None else {FAULTS_ENV: faults}
-        w = WorkerProcess(url or server.url, name, tmp_path, *extra, env=env)
+        w = WorkerProcess(url or server.url, name, tmp_path, *extra, env=env,
+                          registered=registered)
         started.append(w)
         return w
 

@@ -3,8 +3,9 @@ service makes: a submit and a cancel raise redis-py's ``OutOfMemoryError`` to th
 write nothing; a job's publish (held at the point by a `worker.faults` pause) and its
 checkpoints are refused, and the job ends ``failed`` with ``RedisOutOfMemory`` once that
 write can land; no worker is taken for dead meanwhile (its heartbeat's TTL is extended);
-both serve exact jobs again once memory frees. (`tests/worker/test_redis_refused.py` has
-the same in process, write by write.)
+both serve exact jobs again once memory frees. A worker started while Redis refuses writes
+waits for room, unregistered, then serves the job queued before it. (`tests/worker/
+test_redis_refused.py` has the same in process, write by write.)
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import time
 import numpy as np
 import pytest
 import redis
+from rq.worker import Worker
 
 from jobs import JobFailed, JobState, PrefillClient, keys
 from tests.integration.processes import MODEL, expected_top, ids, wait_for
+from worker.heartbeat import Heartbeat
 
 # the heartbeat TTL of the test workers (`tests.integration.processes`), in seconds
 HEARTBEAT_TTL_S = 2
@@ -73,3 +76,38 @@ def test_a_full_redis_refuses_each_write_and_the_workers_serve_on(server, worker
         got = np.frombuffer(result.logits, dtype=np.float32)
         assert np.abs(got - logits).max() <= 1e-3 * np.abs(logits).max()
     assert w1.proc.poll() is None and w2.proc.poll() is None
+
+
+def test_a_worker_started_at_maxmemory_waits_for_room_then_serves(server, workers, tiny):
+    # The model's last worker is gone (its models stay advertised): a job waits in intake.
+    admin = redis.Redis.from_url(server.url)
+    gone = Heartbeat(admin, "gone", {MODEL: tiny}, ttl_s=HEARTBEAT_TTL_S, result_ttl_s=60,
+                     publish_tokenizers=False)
+    gone.register_models()
+    gone.deregister()
+    client = PrefillClient.from_url(server.url)
+    token_ids = ids(30, 5)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=5)
+
+    admin.config_set("maxmemory", 1)  # below use: every write that grows memory is refused
+    w3 = workers("w3", registered=False)
+    wait_for(lambda: "Redis refused" in w3.text(), 60, "w3 never tried to register", w3)
+    # over several retries it waits, with nothing of it in Redis: under noeviction no key
+    # can be created, so it has no heartbeat to keep alive (and holds no job) until it has room
+    rq_worker_key = Worker.redis_worker_namespace_prefix + "w3"
+    until = time.monotonic() + HEARTBEAT_TTL_S + 1
+    while time.monotonic() < until:
+        assert w3.proc.poll() is None, w3.text()
+        assert admin.exists(keys.worker_heartbeat("w3"), rq_worker_key) == 0
+        time.sleep(0.1)
+    assert admin.info("errorstats")["errorstat_EXECABORT"]["count"] >= 3, "not retried"
+    assert client.status(job).state == JobState.QUEUED
+    admin.config_set("maxmemory", 0)
+
+    top, _ = expected_top(tiny, token_ids, 5)
+    assert [t.id for t in client.result(job, timeout=60).top_k] == top
+    assert admin.exists(keys.worker_heartbeat("w3")) == 1
+    assert admin.sismember(keys.WORKERS, "w3")
+    log = w3.text()
+    assert log.count("Redis refused") == 1 and "Traceback" not in log
+    assert "Redis accepted the registration of w3 with RQ" in log

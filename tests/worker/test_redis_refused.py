@@ -3,7 +3,8 @@
 Against a real redis-server of the test's own (its ``maxmemory`` is changed). A job whose
 publish, checkpoint or hand-back is refused fails with ``RedisOutOfMemory`` once that small
 write can land; meanwhile the worker waits instead of quitting, and serves the next job
-once memory frees. A refused KV checkpoint costs only the checkpoint. The client's writes:
+once memory frees. A worker started while Redis refuses its registration waits for room,
+then serves. A refused KV checkpoint costs only the checkpoint. The client's writes:
 a refused submit or cancel raises redis-py's ``OutOfMemoryError`` and writes nothing (a
 submit's idempotency key is free again).
 """
@@ -11,6 +12,7 @@ submit's idempotency key is free again).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -21,6 +23,8 @@ from jobs import AsyncPrefillClient, JobFailed, JobState, PrefillClient, keys
 from jobs.queues import intake_queue
 from tests.conftest import RedisServer
 from worker.connection import refused_write as refused_error
+from worker.connection import worker_connection
+from worker.heartbeat import Heartbeat
 from worker.redis_server import calls_since, command_calls
 from worker.worker import PrefillWorker
 
@@ -109,6 +113,78 @@ def test_a_refused_hand_back_is_retried_until_it_lands(server, tiny):
     worker.work(burst=True)
     assert client.status(job).attempts == 2
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
+
+
+class FillAtLine(logging.Handler):
+    """Records the worker's log lines; sets ``maxmemory`` to 1 (every growing write refused)
+    when one contains `fill_at` (lower case), then lifts it 1 s after one contains
+    `free_after`."""
+
+    def __init__(self, admin: redis.Redis, fill_at: str, free_after: str, seen: dict):
+        super().__init__(logging.INFO)
+        self.admin, self.fill_at, self.free_after, self.seen = admin, fill_at, free_after, seen
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        self.lines.append(line)
+        if self.fill_at in line.lower():  # RQ's wording varies in case across versions
+            self.admin.config_set("maxmemory", 1)
+        if self.free_after in line:
+            threading.Timer(1.0, self._free).start()
+
+    def _free(self) -> None:
+        self.seen["heartbeat"] = self.admin.exists(keys.worker_heartbeat("w1"))
+        self.admin.config_set("maxmemory", 0)
+
+
+@pytest.fixture
+def worker_lines():
+    """``install(handler)``: `handler` on RQ's and the worker's loggers, at INFO, for the test."""
+    loggers = [logging.getLogger(n) for n in ("rq.worker", "prefillq.worker")]
+    levels = [lg.level for lg in loggers]
+    installed = []
+
+    def install(handler: logging.Handler) -> None:
+        for lg in loggers:
+            lg.addHandler(handler)
+            lg.setLevel(logging.INFO)
+        installed.append(handler)
+
+    yield install
+    for lg, level in zip(loggers, levels, strict=True):
+        for handler in installed:
+            lg.removeHandler(handler)
+        lg.setLevel(level)
+
+
+def test_a_worker_started_while_redis_refuses_waits_then_serves(server, tiny, worker_lines):
+    # Redis fills once RQ has registered the worker (its "subscribing" line), so RQ's STARTED
+    # state and the worker's own registration are refused; a job queued before waits.
+    admin = redis.Redis.from_url(server.url)
+    gone = Heartbeat(admin, "gone", {MODEL: tiny}, ttl_s=1, result_ttl_s=60,
+                     publish_tokenizers=False)
+    gone.register_models()  # the model's last worker, gone; its models stay advertised
+    gone.deregister()
+    client = PrefillClient(redis.Redis.from_url(server.url))
+    token_ids = ids(20, 10)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
+    seen: dict = {}
+    lines = FillAtLine(admin, "subscribing to channel",
+                       "Redis refused the registration of w1's models", seen)
+    worker_lines(lines)
+    worker = PrefillWorker({MODEL: tiny}, worker_connection(server.url), name="w1",
+                           chunk_tokens=16, heartbeat_ttl_s=1)
+    worker.work(burst=True, logging_level="INFO")
+
+    assert seen == {"heartbeat": 0}, "it beat before it was registered"
+    assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
+    refusals = [line for line in lines.lines if "refused" in line]
+    assert len(refusals) == 2, refusals
+    assert refusals[0].startswith("Redis refused RQ's STARTED state: ")
+    assert refusals[1].startswith("Redis refused the registration of w1's models (")
+    assert any(line.startswith("Redis accepted the registration of w1's models after ")
+               for line in lines.lines)
 
 
 # -- the client's writes -------------------------------------------------------------------
