@@ -24,6 +24,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from ..errors import InvalidRequest, JobCanceled, JobFailed, JobTimeout
 from ..schema import JobStatus, result_record
+from .body import json_object
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_body
 from .liveness import require_live_worker
@@ -38,22 +39,6 @@ SUBMIT_FIELDS = frozenset({
 MAX_WAIT_S = 600.0
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-async def json_object(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, sent as ``application/json`` (as the endpoints
-    with a schema want). Raises InvalidRequest otherwise."""
-    kind = request.headers.get("content-type", "")
-    if "json" not in kind:
-        raise InvalidRequest("send the body as JSON with 'Content-Type: application/json' "
-                             f"(got {kind or 'none'!r})")
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise InvalidRequest(f"the body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
 
 
 def submit_fields(body: dict[str, Any]) -> dict[str, Any]:
