@@ -1,22 +1,27 @@
 """The gateway's request handling as an HTTP client meets it: ``prefillq serve --api-key``
 as a real uvicorn process over a real redis-server. Every body route answers an oversized
 body 413 however it is sent, malformed or deeply nested JSON a typed 400, and a request
-without the key 401 before its body is read."""
+without the key 401 before its body is read; ``/v1/models`` lists what a live worker
+serves, so a client that waits for its model there is accepted at once."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import redis
 from fastapi.routing import APIRoute
 
-from jobs import AsyncPrefillClient
+from jobs import AsyncPrefillClient, keys
 from jobs.gateway import create_app
+from jobs.serializer import packb
 from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, GatewayProcess
+from tests.integration.processes import MODEL, GatewayProcess, WorkerProcess, wait_for
 from tests.integration.test_gateway import error_of
 
 KEY = "k3y"
@@ -107,3 +112,53 @@ def test_no_route_has_fastapi_read_its_body():
     documented = app.openapi()["paths"]
     for path in BODY_ROUTES[1:]:  # their models' schemas, as a body parameter's would be
         assert documented[path]["post"]["requestBody"]["content"]["application/json"]
+
+
+def listed(gateway: GatewayProcess) -> list[str]:
+    response = httpx.get(gateway.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200, response.text
+    return [m["id"] for m in response.json()["data"]]
+
+
+def live_in_health(gateway: GatewayProcess) -> list[str]:
+    models = httpx.get(gateway.url + "/health").json()["models"]
+    return [m for m, n in models.items() if n["live_workers"] > 0]
+
+
+@pytest.mark.parametrize("probe", [listed, live_in_health], ids=["models", "health"])
+def test_a_model_is_listed_and_taken_once_a_live_worker_serves_it(stack, tmp_path, probe):
+    server, gateway = stack
+    conn = redis.Redis.from_url(server.url)
+    # what a worker writes first, and leaves behind when it dies: registered, no heartbeat
+    conn.hset(keys.MODELS, MODEL, packb({"vocab_size": 365, "context_length": 128,
+                                         "architecture": "gemma3", "sha256": "0" * 64}))
+    assert listed(gateway) == [] and live_in_health(gateway) == []
+    name = f"gwh-{probe.__name__}"
+    started: list[WorkerProcess] = []
+    starting = threading.Thread(target=lambda: started.append(
+        WorkerProcess(server.url, name, tmp_path)))
+    starting.start()
+    try:
+        # a client waiting for its model, as scripts and lm-eval setups do: once `probe`
+        # shows it, a submit is taken (before, it may fail with NoWorker)
+        while True:
+            up = not starting.is_alive()  # its heartbeat exists (or it failed to start)
+            ready = MODEL in probe(gateway)
+            submitted = post(gateway, "/v1/prefill", json.dumps({"model": MODEL,
+                                                                  "tokens": [2, 3]}))
+            if ready:
+                assert submitted.status_code == 202, submitted.text
+                break
+            if submitted.status_code != 202:  # 202: the worker came up in between
+                assert error_of(submitted, 503) == "NoWorker"
+            assert not up, f"the worker is up, its model not shown: {tmp_path / name}.log"
+            time.sleep(0.05)
+        assert listed(gateway) == live_in_health(gateway) == [MODEL]
+        starting.join()
+        started[0].stop()  # killed: its heartbeat expires, its registration stays
+        wait_for(lambda: listed(gateway) == [], 30, "a dead worker's model is still listed")
+        assert live_in_health(gateway) == [] and conn.hexists(keys.MODELS, MODEL)
+    finally:
+        starting.join()
+        for worker in started:
+            worker.stop()
