@@ -156,6 +156,12 @@ class ClusterStats:
     workers_dead: int = 0
 
     @property
+    def served_models(self) -> frozenset[str]:
+        """The models a live worker serves: what the gateway lists, takes jobs for, and
+        counts as serving in ``/health``."""
+        return frozenset(m for m, n in self.live_workers.items() if n > 0)
+
+    @property
     def queued(self) -> int:
         """Executions waiting now: every intake queue and every worker's own queue."""
         return sum(self.queue_depth.values()) + self.routed

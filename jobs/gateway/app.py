@@ -15,6 +15,9 @@ from .errors import HANDLERS, error_response
 from .limits import BodyLimit, BodyTooLarge
 from .liveness import LiveWorkers
 
+# Every route of the app, by module.
+ROUTERS = (native.router, completions.router, tokenize.router, observe.router)
+
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -42,8 +45,8 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
     app.add_exception_handler(BodyTooLarge, _on_body_too_large)
     app.add_exception_handler(Exception, _on_unexpected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    for module in (native, completions, tokenize, observe):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 

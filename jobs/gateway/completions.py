@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -30,6 +30,7 @@ from ..defaults import DEFAULT_MODEL, MAX_TOP_K
 from ..errors import InvalidRequest, JobCanceled, JobFailed
 from ..schema import PrefillResult
 from ..tokenizer import ServedTokenizer
+from .body import documented, parsed
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_response, failed_job_status
 from .liveness import require_live_worker
@@ -224,9 +225,9 @@ async def cancel_all(client, job_ids: Sequence[str]) -> None:
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/completions")
-async def completions(req: CompletionRequest, request: Request,
-                      client: Client) -> JSONResponse:
+@router.post("/v1/completions", openapi_extra=documented(CompletionRequest))
+async def completions(req: Annotated[CompletionRequest, Depends(parsed(CompletionRequest))],
+                      request: Request, client: Client) -> JSONResponse:
     """Score a prompt or a batch; blocks until every job ends. A disconnect cancels them."""
     check_request(req)
     inputs = prompt_inputs(req.prompt)

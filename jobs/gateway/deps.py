@@ -27,7 +27,9 @@ Client = Annotated[AsyncPrefillClient, Depends(client_of)]
 
 def require_api_key(request: Request) -> None:
     """Refuse with 401 unless ``Authorization: Bearer <key>`` carries the app's API key (a
-    no-op when the app has none). Compared in constant time."""
+    no-op when the app has none). Compared in constant time. Every router but that of
+    ``/health`` and ``/metrics`` depends on it, and FastAPI solves it before the route reads
+    the body (`jobs.gateway.body`)."""
     key: str | None = request.app.state.api_key
     if key is None:
         return

@@ -106,13 +106,9 @@ async def on_starlette_error(_: Request, error: StarletteHTTPException) -> JSONR
                           str(error.detail), getattr(error, "headers", None))
 
 
-async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    """A body that does not parse as the endpoint's schema: 400, not FastAPI's 422, naming
-    the first offending field (or the missing JSON content type, curl's usual mistake)."""
-    kind = request.headers.get("content-type", "")
-    if request.method in ("POST", "PUT") and "json" not in kind:
-        return error_response(400, "InvalidRequest", "send the body as JSON with "
-                              f"'Content-Type: application/json' (got {kind or 'none'!r})")
+async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    """A body or query that does not parse as the endpoint's schema: 400, not FastAPI's 422,
+    naming the first offending field."""
     first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid body"}
     where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
     return error_response(400, "InvalidRequest", f"{where}: {first['msg']}")

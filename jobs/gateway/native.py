@@ -10,7 +10,7 @@
 - ``GET /v1/prefill/{id}/events``: Server-Sent Events, one per status change (each chunk's
   cursor, ``n_tokens`` and ``progress``; chunks that end faster than the stream is read are
   coalesced), the terminal one last, with the event name ``status`` or the terminal state.
-- ``GET /v1/models``: the registered models, in OpenAI's list shape.
+- ``GET /v1/models``: the models a live worker serves, in OpenAI's list shape.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from ..errors import InvalidRequest, JobCanceled, JobFailed, JobTimeout
 from ..schema import JobStatus, result_record
+from .body import json_object
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_body
-from .liveness import require_live_worker
+from .liveness import Live, require_live_worker
 
 # What `submit` takes from a body; anything else is refused, so a typo is not ignored.
 SUBMIT_FIELDS = frozenset({
@@ -38,22 +39,6 @@ SUBMIT_FIELDS = frozenset({
 MAX_WAIT_S = 600.0
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-async def json_object(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, sent as ``application/json`` (as the endpoints
-    with a schema want). Raises InvalidRequest otherwise."""
-    kind = request.headers.get("content-type", "")
-    if "json" not in kind:
-        raise InvalidRequest("send the body as JSON with 'Content-Type: application/json' "
-                             f"(got {kind or 'none'!r})")
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise InvalidRequest(f"the body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
 
 
 def submit_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -134,11 +119,13 @@ async def events(job: Job,
 
 
 @router.get("/v1/models")
-async def models(client: Client) -> dict:
-    """OpenAI's ``{"object": "list", "data": [...]}``, each model with its serving limits."""
+async def models(live: Live, client: Client) -> dict:
+    """OpenAI's ``{"object": "list", "data": [...]}`` of the registered models a live worker
+    serves (a job for one is taken), each with its serving limits."""
+    served = await live.read()
     registered = await client.models()
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "prefillq",
          "context_length": info.context_length, "vocab_size": info.vocab_size,
          "architecture": info.architecture, "sha256": info.sha256}
-        for name, info in sorted(registered.items())]}
+        for name, info in sorted(registered.items()) if name in served]}

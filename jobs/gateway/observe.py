@@ -33,7 +33,7 @@ async def health(client: Client) -> JSONResponse:
     except (RedisError, OSError) as e:
         return JSONResponse({"status": "unavailable", "redis": False,
                              "error": type(e).__name__}, status_code=503)
-    serving = any(n > 0 for n in stats.live_workers.values())
+    serving = bool(stats.served_models)
     body = {"status": "ok" if serving else "no live worker", "redis": True,
             "workers": stats.workers_alive,
             "models": {m: {"live_workers": n} for m, n in sorted(stats.live_workers.items())}}

@@ -11,11 +11,13 @@ the ids are the ones a worker computes for the same text.
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
 from ..defaults import DEFAULT_MODEL
+from .body import documented, parsed
 from .deps import Client, require_api_key
 
 # Texts longer than this (characters) are tokenized on a thread, off the event loop.
@@ -41,8 +43,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-@router.post("/tokenize")
-async def tokenize(req: TokenizeRequest,
+@router.post("/tokenize", openapi_extra=documented(TokenizeRequest))
+async def tokenize(req: Annotated[TokenizeRequest, Depends(parsed(TokenizeRequest))],
                    client: Client) -> dict:
     """``{"tokens": [int], "count": int, "max_model_len": int}``."""
     tokenizer = await client.tokenizer(req.model)
@@ -56,8 +58,8 @@ async def tokenize(req: TokenizeRequest,
     return {"tokens": ids, "count": len(ids), "max_model_len": info.context_length}
 
 
-@router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest,
+@router.post("/detokenize", openapi_extra=documented(DetokenizeRequest))
+async def detokenize(req: Annotated[DetokenizeRequest, Depends(parsed(DetokenizeRequest))],
                      client: Client) -> dict:
     """``{"prompt": str}``; an id outside the vocabulary is a 400 ``TokenOutOfRange``."""
     tokenizer = await client.tokenizer(req.model)
