@@ -13,14 +13,15 @@ OUT=${OUT:?OUT names the folder whose files come back}
 
 cat /root/stash/part.aa .device/b/part.ab > "/tmp/$WHEEL"
 echo "$SHA256  /tmp/$WHEEL" | sha256sum -c --quiet -
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /root/site "/tmp/$WHEEL" .device/b/wheels/*.whl
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import mlx.core as mx, mlx_lm, torch, transformers as t
 print(mx.__version__, mx.default_device(), mlx_lm.__version__, torch.__version__,
       t.__version__, torch.cuda.get_device_name())"
-status=0
-timeout "$BENCH_TIMEOUT_S" python3 -m bench.gpu "$@" --out "$OUT/gpu-h200.jsonl" \
-    2> >(tee "$OUT/gpu-h200.log" >&2) || status=$?
-echo "bench.gpu exit status $status; $(grep -c . "$OUT/gpu-h200.jsonl") lines"
+set +e  # the records so far come back even when the run fails or overruns
+timeout "$BENCH_TIMEOUT_S" python3 -m bench.gpu "$@" --out "$OUT/gpu-h200.jsonl" 2>&1 \
+    | tee "$OUT/gpu-h200.log"
+status=${PIPESTATUS[0]}
+echo "bench.gpu exit status $status; $(grep -c . "$OUT/gpu-h200.jsonl" 2>/dev/null) lines"
 exit "$status"
