@@ -57,17 +57,20 @@ class Recorder:
     ``"holds": true|false``; `bounds_report` lists the ones that did not hold.
     """
 
-    def __init__(self, as_json: bool, context: dict, out: Path | None = None):
+    def __init__(self, as_json: bool, context: dict, out: Path | None = None,
+                 tags: dict | None = None):
         """`out`, if given, gets ``{"context": ...}`` and then every record, a JSON line
-        each (the files under ``bench/results/``)."""
+        each (the files under ``bench/results/``). `tags` go on every record after its
+        unit (which process made it, say); a detail of the same name replaces a tag."""
         self.as_json, self.context, self.records = as_json, context, []
-        self.out = out
+        self.out, self.tags = out, dict(tags or {})
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"context": context}) + "\n")
 
     def __call__(self, metric: str, value: float, unit: str, **details) -> dict:
-        record = {"metric": metric, "value": round(value, 4), "unit": unit, **details}
+        record = {"metric": metric, "value": round(value, 4), "unit": unit, **self.tags,
+                  **details}
         if "floor" in details:
             record["holds"] = value >= details["floor"]
         elif "ceiling" in details:
@@ -92,6 +95,12 @@ class Recorder:
                 verdict = "holds " if r["holds"] else "MISSED"
                 lines.append(f"{verdict} {r['metric']} = {r['value']:.3g} (want {bound})")
         return lines
+
+
+def causal_attention_flops(queries: int, heads: int, head_dim: int) -> float:
+    """FLOPs of causal self-attention over `queries` tokens: QK^T and PV, each 2 FLOPs a
+    multiply-add, over the half of the ``queries x queries`` scores a causal mask keeps."""
+    return 2 * 2 * (queries * queries / 2) * head_dim * heads
 
 
 def refuse_existing(parser: argparse.ArgumentParser, out: Path | None) -> None:

@@ -1,8 +1,8 @@
 """Absolute prefill throughput on a GPU (bf16, random weights), model FLOPs utilisation,
 and the same prefill in mlx-lm and HF transformers, measured in the same run.
 
-    python -m bench.gpu [--quick] [--no-peers] [--no-micro] [--deepseek4-layers N]
-                        [--out FILE]
+    python -m bench.gpu [--quick] [--no-peers] [--no-eager] [--no-micro]
+                        [--deepseek4-layers N] [--out FILE]
     python -m bench.gpu --check [--out FILE]
 
 One JSON line per measurement on stdout (and in FILE with --out, after a context line).
@@ -10,15 +10,20 @@ Cases: Gemma 3 270M shapes at 8,192 and 32,768 tokens in 2,048- and 8,192-token 
 then DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick
 keeps the first of each. Each case is the fastest of 5 prefills after a warm-up one.
 
-Peers (`bench.gpu_peers`, skipped with --no-peers or when not importable), run first in a
-child process under MLX's own CUDA graph knobs (prefillq's own are set on importing
-`model`): mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks, and HF
-transformers' ``Gemma3ForCausalLM`` (``sdpa`` and ``flex_attention``) in one pass over each
-prompt length, all final-position logits only. prefillq's records carry ``over_mlx_lm``
-(same prompt and chunk) and ``over_hf_flex`` (same prompt). Then the attention
-micro-benchmarks (`bench.gpu_attention.micro`: the fused kernel, MLX SDPA and torch SDPA;
-`bench.gpu_deepseek4.micro`: a ratio-4 layer's chunk three ways; --no-micro skips them),
-then the DeepSeek-V4 cases.
+Peers (`bench.gpu_peers`; --no-peers skips them, and one not importable records a
+``peer_skipped`` line), each in a fresh process of its own, run first, before this process
+uses the GPU: mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks (under MLX's
+own CUDA graph knobs; prefillq's are set on importing `model`), HF transformers'
+``Gemma3ForCausalLM`` in one pass over each prompt length without a KV cache (``sdpa``
+under each SDPA backend, ``flex_attention``, ``eager``), all final-position logits only;
+and, unless --no-micro, torch SDPA alone at `bench.gpu_attention.MICRO` under each
+backend. prefillq's records carry ``over_mlx_lm`` (same prompt and chunk),
+``over_hf_flex`` and ``over_hf_sdpa`` (HF sdpa's best backend; same prompt). Then the
+attention micro-benchmarks (`bench.gpu_attention.micro`: the fused kernel and MLX SDPA,
+each with ``over_torch_sdpa``, its ratio over torch SDPA's best backend;
+`bench.gpu_deepseek4.micro`: a ratio-4 layer's chunk three ways), then the DeepSeek-V4
+cases. Every line names the process it came
+from (``pid``, ``process``) and, for a peer, its ``backend``.
 
 --check runs only the exactness checks (`bench.gpu_check.CHECKS`: the Gemma kernel against
 the unfused path at 13 shapes and 4 and 8 warps, chunked prefill against one pass, the
@@ -49,7 +54,7 @@ from model.prefill import start_prefill
 
 from . import gpu_deepseek4, gpu_peers
 from .common import Recorder, git_commit, log, refuse_existing
-from .gpu_attention import micro
+from .gpu_attention import MICRO, micro
 
 # Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
 # chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
@@ -64,6 +69,7 @@ GEMMA3_270M = gemma3.ModelArgs(
     num_key_value_heads=1, head_dim=256, vocab_size=262_144, rms_norm_eps=1e-6,
     sliding_window=512, rope_theta=1_000_000.0, context_length=32_768,
 )
+GEMMA3_LABEL = "gemma3-270m shapes"
 # (prompt tokens, chunk tokens); --quick keeps the first
 GEMMA3_CASES = ((8192, 2048), (8192, 8192), (32_768, 2048), (32_768, 8192))
 
@@ -172,16 +178,16 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
         mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
 
 
-def gemma3_cases(rec: Recorder, ceiling: float, cases, peers: gpu_peers.Peers) -> None:
+def gemma3_cases(rec: Recorder, ceiling: float, cases, peers: list[dict]) -> None:
     """prefillq at each ``(n_tokens, chunk_tokens)`` of `cases`, with its MFU against
-    `ceiling` (TFLOP/s) and its ratios over the `peers` measured (`gpu_peers.ratios`)."""
+    `ceiling` (TFLOP/s) and its ratios over the `peers`' records (`gpu_peers.ratios`)."""
     model = gemma3_model()
     for n, chunk in cases:
         log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
         seconds = prefill_seconds(model, n, chunk, repeats=REPEATS)
         flops = gemma3_flops(GEMMA3_270M, n)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", impl="prefillq",
-            model="gemma3-270m shapes", dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
+            model=GEMMA3_LABEL, dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
             tflops=round(flops / seconds / 1e12, 2),
             mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
             mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4),
@@ -199,8 +205,11 @@ def parser() -> argparse.ArgumentParser:
                    help="only the exactness checks (bench.gpu_check); exit 0 if all pass")
     p.add_argument("--no-peers", action="store_true",
                    help="skip mlx-lm and HF transformers (bench.gpu_peers)")
+    p.add_argument("--no-eager", action="store_true",
+                   help="skip HF transformers' eager attention among the peers")
     p.add_argument("--no-micro", action="store_true",
-                   help="skip the attention micro-benchmark (bench.gpu_attention.micro)")
+                   help="skip the attention micro-benchmarks (bench.gpu_attention.micro) "
+                        "and torch SDPA's processes")
     p.add_argument("--deepseek4-layers", type=int, default=4, metavar="N",
                    help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
     p.add_argument("--out", type=Path, metavar="FILE",
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     context = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
                "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
                "device": str(mx.default_device()), "mlx": mx.__version__}
-    rec = Recorder(True, context, args.out)
+    rec = Recorder(True, context, args.out, tags={"pid": os.getpid(), "process": p.prog})
     log(f"device {mx.default_device()}, mlx {mx.__version__}")
     if args.check:
         from .gpu_check import run_checks  # it imports this module
@@ -231,13 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         ok = run_checks(rec)
         log(f"gpu checks: {'all passed' if ok else 'FAILED'}")
         return 0 if ok else 1
+    cases = GEMMA3_CASES[:1] if args.quick else GEMMA3_CASES
+    micro_runs = not args.no_micro and fused_available()
+    children = [] if args.no_peers else gpu_peers.plan(
+        gpu_peers.shapes_of(GEMMA3_270M, GEMMA3_LABEL), cases, REPEATS, eager=not args.no_eager)
+    peers = gpu_peers.run_all(
+        rec, children + (gpu_peers.attention_plan(MICRO) if micro_runs else []))
     ceiling = matmul_tflops()
     rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
-    cases = GEMMA3_CASES[:1] if args.quick else GEMMA3_CASES
-    peers = {} if args.no_peers else gpu_peers.measure_in_child(rec, cases, REPEATS)
     gemma3_cases(rec, ceiling, cases, peers)
-    if not args.no_micro and fused_available():
-        micro(rec)
+    if micro_runs:
+        micro(rec, peers)
         gpu_deepseek4.micro(rec)
         gpu_deepseek4.experts_micro(rec)
     elif not args.no_micro:

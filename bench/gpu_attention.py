@@ -6,16 +6,20 @@ The fused CUDA attention kernel (`model.kernels.flash_attention`) on the device:
   in float32 on the same bf16 inputs) at every supported shape: whole-prompt and
   chunk-at-an-offset causal attention, sliding windows, GQA groups of 1 and 4, lengths that
   are not block multiples; max |difference| over max |reference| within `BF16_TOLERANCE`.
-- the micro-benchmark: one global layer's causal attention (4 query heads of 256, 1 KV head)
-  at 8K and 32K queries, ours against MLX SDPA and torch SDPA (flash), fastest of 5 after
-  a warm-up, as TFLOP/s of the causal work (2 * 2 * L^2 / 2 * D * heads).
+- the micro-benchmark: one global layer's causal attention (`MICRO`: 4 query heads of 256,
+  1 KV head, 8K and 32K queries), ours and MLX SDPA, fastest of 5 after a warm-up, as
+  TFLOP/s of the causal work (`bench.common.causal_attention_flops`), each over torch
+  SDPA's best backend at the same shape (``over_torch_sdpa``), which torch measures first
+  in processes of its own (`bench.gpu_peers.attention_plan`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,11 +27,15 @@ import mlx.core as mx
 from model.archs.gemma3 import blocked_attention
 from model.kernels.flash_attention import available, flash_attention, grid_plan
 
-from .common import Recorder, git_commit, log, refuse_existing
+from .common import Recorder, causal_attention_flops, git_commit, log, refuse_existing
+from .gpu_peers import attention_plan, attention_ratios, run_all
 
 # bf16 keeps 8 significant bits (relative step 2^-8 ~ 3.9e-3); P is rounded to bf16 before
 # P V, as in FlashAttention-2, and the output once more.
 BF16_TOLERANCE = 2e-2
+
+# The micro-benchmark's shape, which torch SDPA's peer processes are given too.
+MICRO = {"queries": (8192, 32_768), "heads": 4, "kv_heads": 1, "head_dim": 256, "repeats": 5}
 
 CHECKS = [  # (H, KVH, L, position, window)
     (4, 1, 1000, 0, None), (4, 1, 2048, 0, None), (4, 1, 2048, 6144, None),
@@ -80,50 +88,28 @@ def _seconds(fn, repeats: int = 5) -> float:
     return best
 
 
-def micro(rec: Recorder, shapes=((32, 4), (64, 4), (64, 8))) -> None:
-    """`shapes`: the kernel's (block_n, warps) to time."""
-    for L in (8192, 32_768):
-        _micro_at(rec, L, shapes)
+def micro(rec: Recorder, peers: Iterable[dict] = (),
+          shapes=((32, 4), (64, 4), (64, 8))) -> None:
+    """`MICRO` at each of its lengths; `shapes`: the kernel's (block_n, warps) to time;
+    `peers`: the records `bench.gpu_peers.run_all` returned, for the ratios over torch."""
+    for L in MICRO["queries"]:
+        _micro_at(rec, L, shapes, peers)
 
 
-def _micro_at(rec: Recorder, L: int, shapes) -> None:
-    q, k, v = _inputs(4, 1, L, 0, None)
-    flops = 2 * 2 * (L * L / 2) * 256 * 4
+def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict]) -> None:
+    H, D = MICRO["heads"], MICRO["head_dim"]
+    q, k, v = _inputs(H, MICRO["kv_heads"], L, 0, None, D)
+    flops = causal_attention_flops(L, H, D)
     for block_n, warps in shapes:
         s = _seconds(lambda b=block_n, w=warps: flash_attention(
-            q, k, v, 256 ** -0.5, 0, None, b, w))
+            q, k, v, D ** -0.5, 0, None, b, w), MICRO["repeats"])
         rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
-            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5))
+            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5),
+            **attention_ratios(flops / s / 1e12, L, peers))
     s = _seconds(lambda: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=256 ** -0.5, mask="causal"))
+        q, k, v, scale=D ** -0.5, mask="causal"), MICRO["repeats"])
     rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="mlx sdpa", queries=L,
-        seconds=round(s, 5))
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return
-    tq = torch.randn(1, 4, L, 256, device="cuda", dtype=torch.bfloat16)
-    tk = torch.randn(1, 1, L, 256, device="cuda", dtype=torch.bfloat16)
-    tv = torch.randn(1, 1, L, 256, device="cuda", dtype=torch.bfloat16)
-
-    # with enable_gqa, and with the KV head expanded to every query head (flash's own path)
-    tk4, tv4 = tk.expand(1, 4, L, 256).contiguous(), tv.expand(1, 4, L, 256).contiguous()
-    for impl, run in (
-            ("torch sdpa enable_gqa", lambda: F.scaled_dot_product_attention(
-                tq, tk, tv, is_causal=True, enable_gqa=True)),
-            ("torch sdpa expanded kv", lambda: F.scaled_dot_product_attention(
-                tq, tk4, tv4, is_causal=True))):
-        run()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        rec("attention_tflops", flops / best / 1e12, "TFLOP/s", impl=impl, queries=L,
-            seconds=round(best, 5), torch=torch.__version__)
+        seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,11 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     refuse_existing(p, args.out)
     rec = Recorder(True, {"date": datetime.date.today().isoformat(), "commit": git_commit(),
                           "device": str(mx.default_device()), "mlx": mx.__version__},
-                   args.out)
+                   args.out, tags={"pid": os.getpid(), "process": p.prog})
+    # torch's processes first, before this one has used the GPU
+    peers = [] if args.check else run_all(rec, attention_plan(MICRO))
     ok = check(rec) and check(rec, warps=8)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
-        micro(rec)
+        micro(rec, peers)
     return 0 if ok else 1
 
 

@@ -1,326 +1,282 @@
-"""Other implementations of the same prefill, measured by `python -m bench.gpu` in its run.
+"""The peers `python -m bench.gpu` measures beside prefillq, each in a process of its own.
 
-Each peer builds Gemma 3 at prefillq's shapes (`bench.gpu.GEMMA3_270M`, or `args`), random
-weights, bf16, and returns only the final position's logits through the tied head:
+A peer shares its process with nothing: not with prefillq's MLX (torch picks a slower
+attention backend once MLX has used the GPU in the same process), not with another peer.
+So `python -m bench.gpu` starts one fresh ``python -m`` child per peer and backend (`plan`,
+`attention_plan`), before it uses the GPU itself, and reads back their records
+(`run_all`):
 
-- mlx-lm's ``gemma3_text``: the same chunks as prefillq, in mlx-lm's own cache
-  (``make_prompt_cache``), with one ``mx.eval`` of the cache per chunk, as mlx-lm's
-  ``generate_step`` prefills. Its ``mx.clear_cache()`` after each chunk is left out: it only
-  hands buffers back to the allocator, so leaving it out can only speed mlx-lm up.
-- HF transformers ``Gemma3ForCausalLM`` with ``sdpa`` and ``flex_attention``: one pass over
-  the whole prompt (its natural prefill: no chunking), ``logits_to_keep=1``, under
-  ``torch.inference_mode()``.
+- ``bench.gpu_peer_mlx_lm``: mlx-lm's ``gemma3_text`` at every case, under MLX's own CUDA
+  graph knobs (`MLX_GRAPH_DEFAULTS`);
+- ``bench.gpu_peer_torch hf``: HF transformers' ``Gemma3ForCausalLM``, one child for
+  ``sdpa`` under each of `SDPA_BACKENDS` and under torch's own choice (``default``), one
+  for ``flex_attention``, one for ``eager``;
+- ``bench.gpu_peer_torch attention``: torch SDPA alone at the fused kernel's comparison
+  shape (`bench.gpu_attention.MICRO`), one child per backend.
 
-A peer that is not importable is skipped with a log line; one that fails (a 32K ``sdpa``
-pass out of memory) gets a ``gpu_prefill_error`` record and the run goes on. Records are
-``gpu_prefill_tok_s`` with ``impl``, the peer's versions, ``n_tokens`` and ``chunk_tokens``
-(the whole prompt for a one-pass peer); `ratios` puts prefillq's speed over them.
+The protocol: a child prints one JSON record a line on stdout, each tagged with its
+``pid``, ``process`` (its label) and ``backend``, and ends with a ``peer_process`` record
+(its wall seconds, whether MLX and torch were loaded in it). A peer that is not importable
+is a ``peer_skipped`` record; a measurement that fails is a ``peer_error`` record and the
+child goes on; a child that fails or overruns is a
+``peer_error`` record in the parent's name and the run goes on. The parent adds the best
+backend of each backend-swept peer (``impl`` "... best", with every candidate);
+`ratios` and `attention_ratios` put prefillq's figures over them, within the run.
+
+This module imports neither MLX nor torch: both sides of the protocol use it.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-
-import mlx.core as mx
-
-from model.archs import gemma3
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import NamedTuple
 
 from .common import Recorder, log
 
 MLX_LM = "mlx-lm gemma3_text"
-HF_IMPLS = {"sdpa": "transformers sdpa", "flex_attention": "transformers flex_attention"}
-HF_FLEX = HF_IMPLS["flex_attention"]
-# One pass of 32K tokens takes ~0.1-0.4 s on an H200, and torch's timings vary less than
+HF_SDPA, HF_FLEX, HF_EAGER = ("transformers sdpa", "transformers flex_attention",
+                              "transformers eager")
+TORCH_SDPA = "torch sdpa"
+BEST = " best"  # the impl of a best-backend record: "torch sdpa best"
+# torch's own pick, no `sdpa_kernel` context; recorded, never a best (its name is a guess)
+DEFAULT_BACKEND = "default"
+# our name -> torch.nn.attention.SDPBackend member
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+# One pass of 32K tokens takes ~0.1-0.7 s on an H200, and torch's timings vary less than
 # MLX's host-side graph building, so 3 runs after the warm-up one.
 HF_REPEATS = 3
-# Characters of a failed peer's error kept on its record (an OOM message runs long).
+# Characters of an error (or of a child's stderr) kept on its record: an OOM runs long.
 ERROR_CHARS = 400
-
-# (impl, n_tokens, chunk_tokens) -> tokens/s
-Peers = dict[tuple[str, int, int], float]
-
-
-def _shapes(args: gemma3.ModelArgs | None) -> gemma3.ModelArgs:
-    if args is not None:
-        return args
-    from .gpu import GEMMA3_270M  # bench.gpu imports this module
-
-    return GEMMA3_270M
-
-
-def _label(args: gemma3.ModelArgs | None) -> str:
-    return "gemma3-270m shapes" if args is None else f"gemma3 shapes ({args.hidden_size} wide)"
-
-
-def mlx_lm_model(args: gemma3.ModelArgs | None = None, dtype: mx.Dtype = mx.bfloat16):
-    """mlx-lm's ``gemma3_text.Model`` at `args`' shapes (default `bench.gpu.GEMMA3_270M`),
-    random weights in `dtype`, the head tied to the embedding (``sanitize`` of a checkpoint
-    without ``lm_head.weight``, as Gemma 3's). Raises ImportError without mlx-lm."""
-    from mlx_lm.models import gemma3_text
-
-    a = _shapes(args)
-    model = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=a.hidden_size,
-        num_hidden_layers=a.num_hidden_layers, intermediate_size=a.intermediate_size,
-        num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-        head_dim=a.head_dim, vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps,
-        rope_theta=a.rope_theta, rope_local_base_freq=a.rope_local_base_freq,
-        query_pre_attn_scalar=a.head_dim,  # prefillq's scale is head_dim ** -0.5
-        sliding_window=a.sliding_window, sliding_window_pattern=a.sliding_window_pattern,
-        max_position_embeddings=a.context_length))
-    model.sanitize({})
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-def mlx_lm_prefill(model, ids: mx.array, chunk: int) -> mx.array:
-    """Prefill int32 ``(n,)`` `ids` through mlx-lm `model` in `chunk`-token chunks.
-
-    Returns:
-        ``(1, vocab)`` final-position logits, evaluated (the inner model's hidden states
-        and the tied head on the last position only).
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    n = ids.shape[0]
-    for start in range(0, n, chunk):
-        hidden = model.model(ids[None, start:start + chunk], cache)  # (1, L, hidden)
-        if start + chunk < n:
-            mx.eval([c.state for c in cache])
-    logits = model.model.embed_tokens.as_linear(hidden[:, -1])
-    mx.eval(logits, [c.state for c in cache])
-    return logits
-
-
-def mlx_lm_prefill_seconds(n: int, chunk: int, repeats: int,
-                           args: gemma3.ModelArgs | None = None, model=None) -> float:
-    """Fastest wall seconds of `repeats` mlx-lm prefills of `n` random tokens in `chunk`-token
-    chunks, after a warm-up one; `model` defaults to `mlx_lm_model(args)`."""
-    model = model if model is not None else mlx_lm_model(args)
-
-    def once() -> float:
-        ids = mx.random.randint(0, model.args.vocab_size, (n,))
-        mx.eval(ids)
-        t0 = time.perf_counter()
-        mlx_lm_prefill(model, ids, chunk)
-        return time.perf_counter() - t0
-
-    once()
-    return min(once() for _ in range(repeats))
-
-
-def hf_config(args: gemma3.ModelArgs | None = None):
-    """``transformers.Gemma3TextConfig`` at `args`' shapes (default `bench.gpu.GEMMA3_270M`):
-    every `sliding_window_pattern`-th layer global, RoPE bases as prefillq's, the head tied."""
-    from transformers import Gemma3TextConfig
-
-    a = _shapes(args)
-    return Gemma3TextConfig(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size,
-        intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
-        num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-        head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps, sliding_window=a.sliding_window,
-        query_pre_attn_scalar=a.head_dim, max_position_embeddings=a.context_length,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        layer_types=["sliding_attention" if a.is_sliding(i) else "full_attention"
-                     for i in range(a.num_hidden_layers)],
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": a.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_local_base_freq}})
-
-
-def hf_model(attn_implementation: str, args: gemma3.ModelArgs | None = None,
-             device: str = "cuda", dtype=None):
-    """``Gemma3ForCausalLM`` from `hf_config(args)`, random init, on `device`, in `dtype`
-    (default ``torch.bfloat16``), in eval mode. Raises ImportError without torch or
-    transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            hf_config(args), attn_implementation=attn_implementation,
-            dtype=dtype or torch.bfloat16)
-    return model.to(device).eval()
-
-
-def hf_prefill(model, ids):
-    """One pass of int64 ``(1, n)`` `ids` (a torch tensor on the model's device) through HF
-    `model`, filling its cache; returns the ``(1, vocab)`` final-position logits."""
-    import torch
-
-    with torch.inference_mode():
-        return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1]
-
-
-def _synchronize(device: str) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def hf_prefill_seconds(n: int, attn_implementation: str, repeats: int = HF_REPEATS,
-                       args: gemma3.ModelArgs | None = None, device: str = "cuda",
-                       model=None) -> float:
-    """Fastest wall seconds of `repeats` one-pass HF prefills of `n` random tokens, after a
-    warm-up one (which also compiles ``flex_attention``), the device synchronized around
-    each; `model` defaults to `hf_model(attn_implementation, args, device)`."""
-    import torch
-
-    model = model if model is not None else hf_model(attn_implementation, args, device)
-    vocab = model.config.vocab_size
-
-    def once() -> float:
-        ids = torch.randint(0, vocab, (1, n), device=device)
-        _synchronize(device)
-        t0 = time.perf_counter()
-        hf_prefill(model, ids)
-        _synchronize(device)
-        return time.perf_counter() - t0
-
-    once()
-    return min(once() for _ in range(repeats))
-
-
-def measure_peer(rec: Recorder, impl: str, n: int, chunk: int, seconds: Callable[[], float],
-                 label: str = "gemma3-270m shapes", **versions) -> Peers:
-    """Record one peer's case: ``gpu_prefill_tok_s`` from ``seconds()`` (wall seconds of the
-    whole prefill), or ``gpu_prefill_error`` (value 0) with the error if it raised.
-    Returns ``{(impl, n, chunk): tokens/s}``, or ``{}`` after an error."""
-    try:
-        s = seconds()
-    except Exception as error:  # a peer's failure (32K sdpa out of memory) must not end the run
-        rec("gpu_prefill_error", 0.0, "none", impl=impl, model=label, n_tokens=n,
-            chunk_tokens=chunk, error=f"{type(error).__name__}: {error}"[:ERROR_CHARS],
-            **versions)
-        return {}
-    rec("gpu_prefill_tok_s", n / s, "tok/s", impl=impl, model=label, dtype="bfloat16",
-        n_tokens=n, chunk_tokens=chunk, seconds=round(s, 5), **versions)
-    return {(impl, n, chunk): n / s}
-
-
-def mlx_lm_cases(rec: Recorder, cases: Iterable[tuple[int, int]], repeats: int,
-                 args: gemma3.ModelArgs | None = None) -> Peers:
-    """mlx-lm at each ``(n_tokens, chunk_tokens)`` of `cases`; ``{}`` and a log line when
-    mlx-lm is not importable."""
-    try:
-        import mlx_lm
-    except ImportError as error:
-        log(f"mlx-lm is not importable ({error}): its runs are skipped")
-        return {}
-    peers: Peers = {}
-    model = mlx_lm_model(args)
-    for n, chunk in cases:
-        log(f"{MLX_LM}, {n} tokens in {chunk}-token chunks")
-        peers |= measure_peer(
-            rec, MLX_LM, n, chunk, lambda n=n, c=chunk, m=model: mlx_lm_prefill_seconds(
-                n, c, repeats, model=m), _label(args),
-            mlx_lm=mlx_lm.__version__, mlx=mx.__version__)
-    del model
-    mx.clear_cache()
-    return peers
-
-
-def hf_cases(rec: Recorder, lengths: Iterable[int], repeats: int = HF_REPEATS,
-             args: gemma3.ModelArgs | None = None, device: str = "cuda") -> Peers:
-    """HF transformers, ``sdpa`` then ``flex_attention``, one pass of each of `lengths`
-    tokens; ``{}`` and a log line without torch, transformers or the device."""
-    try:
-        import torch
-        import transformers
-    except ImportError as error:
-        log(f"torch or transformers is not importable ({error}): their runs are skipped")
-        return {}
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        log("torch sees no CUDA device: the transformers runs are skipped")
-        return {}
-    peers: Peers = {}
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    for attn, impl in HF_IMPLS.items():
-        for n in lengths:
-            log(f"{impl}, {n} tokens in one pass")
-            peers |= measure_peer(
-                rec, impl, n, n, lambda n=n, a=attn: hf_prefill_seconds(
-                    n, a, repeats, args, device), _label(args), **versions)
-            gc.collect()  # a failed pass's tensors, before the allocator's cache is emptied
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
-    return peers
-
-
-def measure(rec: Recorder, cases: Iterable[tuple[int, int]], repeats: int,
-            hf_repeats: int = HF_REPEATS) -> Peers:
-    """Every peer at `cases` (``(n_tokens, chunk_tokens)``, `bench.gpu.GEMMA3_270M`
-    shapes): mlx-lm at each case, HF once per prompt length."""
-    cases = list(cases)
-    peers = mlx_lm_cases(rec, cases, repeats)
-    return peers | hf_cases(rec, sorted({n for n, _ in cases}), hf_repeats)
-
-
-def ratios(tok_s: float, n: int, chunk: int, peers: Peers) -> dict[str, float]:
-    """prefillq's `tok_s` at `n` tokens in `chunk`-token chunks over each peer measured:
-    ``over_mlx_lm`` (mlx-lm at the same prompt and chunk) and ``over_hf_flex`` (HF
-    flex_attention's one pass of the same prompt). A peer not in `peers` is left out."""
-    out = {}
-    for name, key in (("over_mlx_lm", (MLX_LM, n, chunk)), ("over_hf_flex", (HF_FLEX, n, n))):
-        if key in peers:
-            out[name] = round(tok_s / peers[key], 4)
-    return out
-
+# A child's wall-clock limit: flex_attention's compiles at two lengths take the longest.
+CHILD_TIMEOUT_S = 300
+ROOT = Path(__file__).resolve().parents[1]
 
 # MLX's own CUDA graph knobs (mlx/backend/cuda, v0.32). Importing `model` sets prefillq's
-# (`model.runtime.cuda_graphs`) process-wide, and MLX reads them once, so the peers run in a
-# child process with these: each side is measured as it ships.
+# (`model.runtime.cuda_graphs`) process-wide, so mlx-lm's child runs with these: each side
+# is measured as it ships.
 MLX_GRAPH_DEFAULTS = {"MLX_MAX_OPS_PER_BUFFER": "20", "MLX_CUDA_GRAPH_CACHE_SIZE": "100"}
 
 
-def measure_in_child(rec: Recorder, cases: Iterable[tuple[int, int]], repeats: int) -> Peers:
-    """`measure` in ``python -m bench.gpu_peers`` under `MLX_GRAPH_DEFAULTS`; its records
-    are recorded here (with ``mlx_env``) and its peers returned. A child that fails leaves a
-    ``gpu_prefill_error`` record and no peers."""
-    argv = [sys.executable, "-m", "bench.gpu_peers", "--repeats", str(repeats),
-            *[f"{n}:{chunk}" for n, chunk in cases]]
-    env = {**os.environ, **MLX_GRAPH_DEFAULTS}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    sys.stderr.write(done.stderr)
-    peers: Peers = {}
-    for line in done.stdout.splitlines():
-        if not line.startswith("{"):
+# ---- the child's side ----------------------------------------------------------------
+
+def process_label(impl: str, backend: str | None = None) -> str:
+    """A peer process's name, every one of its records' ``process``: the impl it runs and
+    the SDPA backend it is held to, if any."""
+    return impl if backend is None else f"{impl}, backend {backend}"
+
+
+def child_recorder(process: str, backend: str | None = None) -> Recorder:
+    """A child's `Recorder`: JSON lines on stdout, each tagged with this process's pid,
+    `process` (its label) and `backend`."""
+    return Recorder(True, {}, tags={"pid": os.getpid(), "process": process,
+                                    "backend": backend})
+
+
+def measure(rec: Recorder, metric: str, unit: str, work: float,
+            seconds: Callable[[], float], **details) -> dict | None:
+    """Record ``work / seconds()`` as `metric`, or a ``peer_error`` record (value 0, with
+    the error and the first warnings it raised: torch says there why a backend declined)
+    if ``seconds()`` raised. Returns the record, or None after an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            s = seconds()
+        except Exception as error:  # one backend's refusal or OOM must not end the child
+            why = [str(w.message)[:ERROR_CHARS] for w in caught[:4]]
+            rec("peer_error", 0.0, "none", for_metric=metric,
+                error=f"{type(error).__name__}: {error}"[:ERROR_CHARS], warnings=why,
+                **details)
+            return None
+    return rec(metric, work / s, unit, **details, seconds=round(s, 5))
+
+
+def finish_child(rec: Recorder, started: float) -> None:
+    """A child's last record, ``peer_process``: its wall seconds since `started`
+    (``time.perf_counter()``), and whether MLX and torch were loaded in it."""
+    rec("peer_process", time.perf_counter() - started, "s",
+        mlx_loaded="mlx" in sys.modules, torch_loaded="torch" in sys.modules,
+        mlx_env={k: v for k, v in os.environ.items() if k.startswith("MLX_")})
+
+
+def parse_shapes(text: str) -> dict:
+    """The ``--shapes`` JSON a child is given (`shapes_of`)."""
+    return json.loads(text)
+
+
+# ---- the parent's side ---------------------------------------------------------------
+
+class Child(NamedTuple):
+    """One peer process: its label (every record's ``process``), the module run with
+    ``python -m``, its arguments, and variables set in its environment."""
+    label: str
+    module: str
+    args: list[str]
+    env: Mapping[str, str] = {}
+
+
+def shapes_of(args, label: str) -> dict:
+    """A `model.archs.gemma3.ModelArgs` as a child takes it: its fields, ``sliding`` (each
+    layer's `is_sliding`, so no child imports `model`, which imports MLX) and ``label``
+    (the records' ``model``)."""
+    return {**dataclasses.asdict(args), "label": label,
+            "sliding": [args.is_sliding(i) for i in range(args.num_hidden_layers)]}
+
+
+def plan(shapes: dict, cases: Iterable[tuple[int, int]], repeats: int,
+         hf_repeats: int = HF_REPEATS, eager: bool = True) -> list[Child]:
+    """The children for prefillq's Gemma `cases` (``(n_tokens, chunk_tokens)``, at
+    `shapes`): mlx-lm at each case; HF once per prompt length, sdpa under each backend,
+    flex_attention, and eager unless not `eager`."""
+    cases = list(cases)
+    shape_arg = ["--shapes", json.dumps(shapes)]
+    lengths = [str(n) for n in sorted({n for n, _ in cases})]
+    hf = ["hf", *shape_arg, "--repeats", str(hf_repeats)]
+    children = [Child(process_label(MLX_LM), "bench.gpu_peer_mlx_lm",
+                      [*shape_arg, "--repeats", str(repeats),
+                       *[f"{n}:{chunk}" for n, chunk in cases]], MLX_GRAPH_DEFAULTS)]
+    for backend in (DEFAULT_BACKEND, *SDPA_BACKENDS):
+        children.append(Child(process_label(HF_SDPA, backend), "bench.gpu_peer_torch",
+                              [*hf, "--attn", "sdpa", "--backend", backend, *lengths]))
+    children.append(Child(process_label(HF_FLEX), "bench.gpu_peer_torch",
+                          [*hf, "--attn", "flex_attention", *lengths]))
+    if eager:
+        children.append(Child(process_label(HF_EAGER), "bench.gpu_peer_torch",
+                              [*hf, "--attn", "eager", *lengths]))
+    return children
+
+
+def attention_plan(shape: Mapping) -> list[Child]:
+    """The children for torch SDPA alone at `shape` (``queries``, ``heads``,
+    ``kv_heads``, ``head_dim``, ``repeats``: `bench.gpu_attention.MICRO`), one a
+    backend."""
+    args = ["--heads", str(shape["heads"]), "--kv-heads", str(shape["kv_heads"]),
+            "--head-dim", str(shape["head_dim"]), "--repeats", str(shape["repeats"]),
+            *[str(q) for q in shape["queries"]]]
+    return [Child(process_label(TORCH_SDPA, backend), "bench.gpu_peer_torch",
+                  ["attention", "--backend", backend, *args])
+            for backend in (DEFAULT_BACKEND, *SDPA_BACKENDS)]
+
+
+def run_child(rec: Recorder, child: Child, timeout_s: float = CHILD_TIMEOUT_S) -> list[dict]:
+    """Run `child` in a fresh process (from the repository root, its stderr passed on)
+    and record its records here; returns them. A child that exits non-zero, overruns
+    `timeout_s` (killed; what it printed is kept) or leaves no ``peer_process`` record
+    adds a ``peer_error`` record with the end of its stderr."""
+    argv = [sys.executable, "-m", child.module, *child.args]
+    log(f"peer process: {child.label}")
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **child.env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        failure = f"exit status {proc.returncode}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        failure = f"timed out after {timeout_s} s"
+    sys.stderr.write(err)
+    records = []
+    for line in out.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
             continue  # a library's own print
-        record = json.loads(line)
-        record.pop("holds", None)
-        rec(record.pop("metric"), record.pop("value"), record.pop("unit"),
-            mlx_env=MLX_GRAPH_DEFAULTS, **record)
-        if record.get("impl") and rec.records[-1]["metric"] == "gpu_prefill_tok_s":
-            peers[(record["impl"], record["n_tokens"], record["chunk_tokens"])] = \
-                rec.records[-1]["value"]
-    if done.returncode:
-        rec("gpu_prefill_error", 0.0, "none", impl="peers (child process)",
-            error=done.stderr[-ERROR_CHARS:])
-    return peers
+        if isinstance(record, dict) and "metric" in record:
+            records.append(rec(record.pop("metric"), record.pop("value"),
+                               record.pop("unit"), **record))
+    if failure is None and not any(r["metric"] == "peer_process" for r in records):
+        failure = "no peer_process record"
+    if failure:
+        records.append(rec("peer_error", 0.0, "none", process=child.label, child_pid=proc.pid,
+                           error=f"{failure}: {err[-ERROR_CHARS:]}"))
+    return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.gpu_peers [--repeats R] N:CHUNK ...``: `measure` at those cases,
-    one JSON record a line on stdout (what `measure_in_child` reads)."""
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_peers")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("cases", nargs="+", help="N:CHUNK, e.g. 8192:2048")
-    args = p.parse_args(argv)
-    cases = [tuple(int(v) for v in case.split(":")) for case in args.cases]
-    measure(Recorder(True, {}), cases, args.repeats)
-    return 0
+def best(records: Iterable[dict], metric: str, impl: str, size: str) -> dict[int, dict]:
+    """The fastest of `records` of `metric` and `impl` for each value of their `size`
+    field, over every backend measured (failures are ``peer_error`` records), torch's own
+    pick (``default``) among them."""
+    out: dict[int, dict] = {}
+    for r in records:
+        if r["metric"] == metric and r.get("impl") == impl:
+            if r[size] not in out or r["value"] > out[r[size]]["value"]:
+                out[r[size]] = r
+    return out
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# what a best record keeps of the winner's details: the shape and the versions
+SHAPE_FIELDS = ("model", "dtype", "n_tokens", "chunk_tokens", "queries", "heads", "kv_heads",
+                "head_dim", "layout", "picked", "torch", "transformers")
+
+
+def _candidate(r: dict) -> str:
+    return r["backend"] if "layout" not in r else f"{r['backend']}, {r['layout']}"
+
+
+def record_best(rec: Recorder, records: list[dict]) -> list[dict]:
+    """One ``"<impl> best"`` record for each size of torch SDPA alone and of HF sdpa: the
+    fastest backend's figure, its ``backend`` (and ``layout``; for ``default``, the
+    ``picked`` backend where torch said), the ``from_pid`` that measured it, and every
+    backend's figure as ``candidates``."""
+    added = []
+    for metric, impl, size in (("attention_tflops", TORCH_SDPA, "queries"),
+                               ("gpu_prefill_tok_s", HF_SDPA, "n_tokens")):
+        same = [r for r in records if r["metric"] == metric and r.get("impl") == impl]
+        for n, top in sorted(best(same, metric, impl, size).items()):
+            at = [r for r in same if r[size] == n]
+            added.append(rec(
+                metric, top["value"], top["unit"], impl=impl + BEST, backend=top["backend"],
+                **{k: top[k] for k in SHAPE_FIELDS if k in top}, from_pid=top["pid"],
+                candidates={_candidate(r): r["value"] for r in at}))
+    return added
+
+
+def run_all(rec: Recorder, children: Iterable[Child],
+            timeout_s: float = CHILD_TIMEOUT_S) -> list[dict]:
+    """Every child in turn (`run_child`), then `record_best` over what they measured;
+    returns all those records."""
+    records = [r for child in children for r in run_child(rec, child, timeout_s)]
+    return records + record_best(rec, records)
+
+
+def _find(records: Iterable[dict], metric: str, impl: str, **fields) -> dict | None:
+    for r in records:
+        if (r["metric"] == metric and r.get("impl") == impl
+                and all(r.get(k) == v for k, v in fields.items())):
+            return r
+    return None
+
+
+def ratios(tok_s: float, n: int, chunk: int, records: Iterable[dict]) -> dict:
+    """prefillq's `tok_s` at `n` tokens in `chunk`-token chunks over each peer measured:
+    ``over_mlx_lm`` (same prompt and chunk), ``over_hf_flex`` and ``over_hf_sdpa`` (the
+    best backend's, named in ``hf_sdpa_backend``; one pass of the same prompt). A peer not
+    in `records` is left out."""
+    records = list(records)
+    out: dict = {}
+    for name, impl, fields in (("over_mlx_lm", MLX_LM, {"chunk_tokens": chunk}),
+                               ("over_hf_flex", HF_FLEX, {}), ("over_hf_sdpa", HF_SDPA + BEST, {})):
+        peer = _find(records, "gpu_prefill_tok_s", impl, n_tokens=n, **fields)
+        if peer is not None:
+            out[name] = round(tok_s / peer["value"], 4)
+            if impl == HF_SDPA + BEST:
+                out["hf_sdpa_backend"] = peer["backend"]
+    return out
+
+
+def attention_ratios(tflops: float, queries: int, records: Iterable[dict]) -> dict:
+    """`tflops` of attention over `queries` over torch SDPA's best backend at the same
+    shape: ``over_torch_sdpa`` and ``torch_sdpa_backend``; empty if not measured."""
+    peer = _find(records, "attention_tflops", TORCH_SDPA + BEST, queries=queries)
+    if peer is None:
+        return {}
+    return {"over_torch_sdpa": round(tflops / peer["value"], 4),
+            "torch_sdpa_backend": _candidate(peer)}

@@ -32,6 +32,18 @@ def top1(loaded: LoadedModel, ids: list[int]) -> int:
 # -- mlx-lm on the same weights ------------------------------------------------------------
 
 
+# prefillq's Gemma 3 module names (the GGUF's) -> HF's, which mlx-lm follows
+HF_NAMES = {
+    "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
+    "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
+    "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
+    "mlp.ffn_down": "mlp.down_proj",
+}
+
+
 def mlx_lm_gemma3(loaded: LoadedModel):
     """mlx-lm's `gemma3_text.Model` sharing our dequantized arrays (its norms add the +1
     that llama.cpp's GGUF already folded in, so we subtract it)."""
@@ -49,15 +61,6 @@ def mlx_lm_gemma3(loaded: LoadedModel):
         max_position_embeddings=a.context_length,
     )
     model = gemma3_text.Model(args)
-    names = {
-        "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
-        "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
-        "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
-        "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-        "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
-        "mlp.ffn_down": "mlp.down_proj",
-    }
     weights = {}
     for name, value in nn.utils.tree_flatten(loaded.model.parameters()):
         if name == "token_embd.weight":
@@ -67,7 +70,7 @@ def mlx_lm_gemma3(loaded: LoadedModel):
         else:
             _, layer, rest = name.split(".", 2)
             module, _, param = rest.rpartition(".")
-            target = f"model.layers.{layer}.{names[module]}.{param}"
+            target = f"model.layers.{layer}.{HF_NAMES[module]}.{param}"
             weights[target] = value - 1 if "norm" in module else value
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())

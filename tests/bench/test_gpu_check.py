@@ -88,3 +88,11 @@ def test_check_without_a_cuda_gpu_is_a_one_line_error():
     assert lines[0].startswith("python -m bench.gpu: error: --check needs the fused CUDA "
                                "kernels: MLX's default device is Device(cpu"), lines[0]
     assert "mlx[cuda13]" in lines[0]
+
+
+def test_a_run_without_a_gpu_refuses_before_starting_any_peer():
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "error: no GPU: MLX's default device is Device(cpu" in done.stderr
+    assert "peer process" not in done.stderr  # `gpu_peers.run_child`'s log line

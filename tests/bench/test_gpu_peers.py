@@ -1,217 +1,179 @@
-"""The peers `python -m bench.gpu` measures beside prefillq (`bench.gpu_peers`).
+"""`bench.gpu_peers`: which processes `python -m bench.gpu` starts for its peers, the
+protocol they answer in, the best backend it keeps and the ratios it writes.
 
-The record and ratio logic runs everywhere. The peers themselves run at tiny shapes on the
-CPU only where mlx-lm, torch and transformers are installed (they are not test
-dependencies): there each computes the same function as prefillq's Gemma 3 given
-prefillq's weights, so the GPU run compares like with like.
-"""
+The processes here are real children (``python -m``), on the CPU: without torch or
+mlx-lm installed each answers with a ``peer_skipped`` record and its ``peer_process``
+record, which is what the protocol is made of; where torch is installed the torch child
+also measures (`test_gpu_peer_torch.py`)."""
 
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
+import warnings
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from bench import gpu_peers
 from bench.common import Recorder
-from model.archs import gemma3
-from model.prefill import start_prefill
+from bench.gpu_attention import MICRO
+from bench.gpu_peers import HF_EAGER, HF_FLEX, HF_SDPA, MLX_LM, SDPA_BACKENDS, TORCH_SDPA, Child
+from tests.bench.tiny_gemma import TINY, TINY_SHAPES
 
-# One global layer in six, a 16-token window that 80-token prompts in 32-token chunks cross,
-# and a hidden size whose square root bf16 holds exactly (mlx-lm rounds it to bf16).
-TINY = gemma3.ModelArgs(
-    hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6, sliding_window=16,
-    rope_theta=1_000_000.0, context_length=256)
-N, CHUNK = 80, 32
-# float32 on the CPU, the same equations in another order: max |diff| / max |logit|
-# measures ~1e-6; a wrong scale, RoPE base, window or norm moves it by 1e-2 or more.
-SAME_FUNCTION_RTOL = 1e-4
-
-NAMES = {  # prefillq's module names -> HF's (and mlx-lm's, which follows HF)
-    "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
-    "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
-    "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
-    "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
-    "mlp.ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm"}
+BACKENDS = ["default", *SDPA_BACKENDS]
 
 
-def test_ratios_divide_prefillq_by_each_peer_at_its_case():
-    peers = {(gpu_peers.MLX_LM, 8192, 2048): 100.0, (gpu_peers.MLX_LM, 8192, 8192): 400.0,
-             (gpu_peers.HF_FLEX, 8192, 8192): 250.0, ("transformers sdpa", 8192, 8192): 1.0,
-             (gpu_peers.HF_FLEX, 32_768, 32_768): 7.0}
-    assert gpu_peers.ratios(200.0, 8192, 2048, peers) == {"over_mlx_lm": 2.0,
-                                                          "over_hf_flex": 0.8}
-    assert gpu_peers.ratios(200.0, 8192, 8192, peers) == {"over_mlx_lm": 0.5,
-                                                          "over_hf_flex": 0.8}
+def test_plan_gives_every_peer_and_backend_a_process_of_its_own():
+    children = gpu_peers.plan(TINY_SHAPES, [(64, 32), (64, 64), (128, 32)], repeats=2)
+    labels = [c.label for c in children]
+    assert labels == [MLX_LM, *[f"{HF_SDPA}, backend {b}" for b in BACKENDS], HF_FLEX,
+                      HF_EAGER]
+    mlx_lm, *torch = children
+    assert mlx_lm.module == "bench.gpu_peer_mlx_lm" and mlx_lm.env == \
+        gpu_peers.MLX_GRAPH_DEFAULTS
+    assert mlx_lm.args[-3:] == ["64:32", "64:64", "128:32"]
+    for child, backend in zip(torch[:5], BACKENDS, strict=True):
+        assert child.module == "bench.gpu_peer_torch" and not child.env
+        assert child.args[child.args.index("--backend") + 1] == backend
+        assert child.args[-2:] == ["64", "128"]  # HF: one pass per prompt length
+    assert [c.label for c in gpu_peers.plan(TINY_SHAPES, [(64, 32)], 2, eager=False)][-1] \
+        == HF_FLEX
+    attention = gpu_peers.attention_plan(MICRO)
+    assert [c.label for c in attention] == [f"{TORCH_SDPA}, backend {b}" for b in BACKENDS]
+    assert attention[0].args[-2:] == ["8192", "32768"]
 
 
-def test_ratios_leave_out_the_peers_not_measured():
-    peers = {(gpu_peers.HF_FLEX, 32_768, 32_768): 300.0}
-    assert gpu_peers.ratios(150.0, 32_768, 2048, peers) == {"over_hf_flex": 0.5}
-    assert gpu_peers.ratios(150.0, 8192, 2048, peers) == {}
-    assert gpu_peers.ratios(150.0, 8192, 2048, {}) == {}
+def test_shapes_carry_each_layer_kind_so_no_child_imports_model():
+    assert TINY_SHAPES["sliding"] == [TINY.is_sliding(i) for i in range(6)]
+    assert TINY_SHAPES["sliding"] == [True] * 5 + [False]
+    assert TINY_SHAPES["head_dim"] == 32 and TINY_SHAPES["label"] == "gemma3 tiny"
 
 
-def test_a_peer_record_says_impl_case_and_versions(capsys):
-    rec = Recorder(True, {})
-    got = gpu_peers.measure_peer(rec, gpu_peers.MLX_LM, 8192, 2048, lambda: 0.5,
-                                 mlx_lm="0.32.2", mlx="0.32.4")
-    assert got == {(gpu_peers.MLX_LM, 8192, 2048): 16384.0}
-    record = json.loads(capsys.readouterr().out)
-    assert record == {"metric": "gpu_prefill_tok_s", "value": 16384.0, "unit": "tok/s",
-                      "impl": "mlx-lm gemma3_text", "model": "gemma3-270m shapes",
-                      "dtype": "bfloat16", "n_tokens": 8192, "chunk_tokens": 2048,
-                      "seconds": 0.5, "mlx_lm": "0.32.2", "mlx": "0.32.4"}
+def _attention_child(backend: str) -> Child:
+    return Child(gpu_peers.process_label(TORCH_SDPA, backend), "bench.gpu_peer_torch",
+                 ["attention", "--backend", backend, "--heads", "4", "--kv-heads", "1",
+                  "--head-dim", "32", "--repeats", "1", "--device", "cpu", "64"])
 
 
-def test_a_failing_peer_is_recorded_and_the_run_goes_on(capsys):
-    def out_of_memory() -> float:
-        raise MemoryError("CUDA out of memory. Tried to allocate 64.00 GiB" + "!" * 1000)
-
-    rec = Recorder(True, {})
-    assert gpu_peers.measure_peer(rec, gpu_peers.HF_IMPLS["sdpa"], 32_768, 32_768,
-                                  out_of_memory, torch="2.11") == {}
-    record = json.loads(capsys.readouterr().out)
-    assert record["metric"] == "gpu_prefill_error" and record["value"] == 0
-    assert record["impl"] == "transformers sdpa" and record["n_tokens"] == 32_768
-    assert record["error"].startswith("MemoryError: CUDA out of memory")
-    assert len(record["error"]) == gpu_peers.ERROR_CHARS and record["torch"] == "2.11"
-
-
-@pytest.mark.parametrize("missing", ["mlx_lm", "torch", "transformers"])
-def test_a_peer_that_is_not_importable_is_skipped_with_a_log_line(monkeypatch, capsys,
-                                                                   missing):
-    monkeypatch.setitem(__import__("sys").modules, missing, None)  # import raises ImportError
-    rec = Recorder(True, {})
-    if missing == "mlx_lm":
-        assert gpu_peers.mlx_lm_cases(rec, [(64, 32)], repeats=1, args=TINY) == {}
-    else:
-        assert gpu_peers.hf_cases(rec, [64], repeats=1, args=TINY, device="cpu") == {}
-    out = capsys.readouterr()
-    assert rec.records == [] and out.out == ""
-    assert "not importable" in out.err and "skipped" in out.err
+def test_each_peer_runs_in_a_process_of_its_own_and_says_which():
+    children = [_attention_child("default"), _attention_child("math"),
+                *gpu_peers.plan(TINY_SHAPES, [(64, 32)], repeats=1)[:1]]  # and mlx-lm's
+    rec = Recorder(False, {}, tags={"pid": os.getpid(), "process": "parent"})
+    records = gpu_peers.run_all(rec, children, timeout_s=300)
+    by_process = {}
+    for r in records:
+        if r["process"] != "parent":
+            by_process.setdefault(r["process"], []).append(r)
+    assert list(by_process) == [c.label for c in children]
+    pids = set()
+    for child in children:
+        got = by_process[child.label]
+        assert {r["pid"] for r in got} != {os.getpid()} and len({r["pid"] for r in got}) == 1
+        pids |= {got[0]["pid"]}
+        assert got[-1]["metric"] == "peer_process", got
+        assert all("backend" in r for r in got)
+    assert len(pids) == len(children)  # no two peers shared a process
+    torch_ends = [by_process[c.label][-1] for c in children[:2]]
+    assert [r["backend"] for r in torch_ends] == ["default", "math"]
+    assert not any(r["mlx_loaded"] for r in torch_ends)  # torch never shares with MLX
+    mlx_lm_end = by_process[MLX_LM][-1]
+    assert gpu_peers.MLX_GRAPH_DEFAULTS.items() <= mlx_lm_end["mlx_env"].items()  # not ours
+    assert not [r for r in records if r["metric"] == "peer_error"]
 
 
-def _prefillq_tiny() -> gemma3.Model:
-    mx.random.seed(1)
-    model = gemma3.Model(TINY)
-    # random norm weights (prefillq's multiply by w; HF's and mlx-lm's by 1 + w)
-    norms = {k: 1 + 0.3 * mx.random.normal(v.shape) for k, v in
-             tree_flatten(model.parameters()) if "norm" in k}
-    model.load_weights(list(norms.items()), strict=False)
-    mx.eval(model.parameters())
-    return model
+def test_a_child_that_fails_overruns_or_says_nothing_is_a_peer_error_and_the_run_goes_on():
+    children = [Child("bad shapes", "bench.gpu_peer_mlx_lm", ["--shapes", "{", "64:32"]),
+                Child("sleeper", "timeit", ["-n", "1", "import time; time.sleep(60)"]),
+                Child("silent", "this", [])]  # prints prose, no record
+    rec = Recorder(False, {}, tags={"pid": os.getpid(), "process": "parent"})
+    records = gpu_peers.run_all(rec, children, timeout_s=5)
+    assert [r["metric"] for r in records] == ["peer_error"] * 3
+    assert [r["process"] for r in records] == ["bad shapes", "sleeper", "silent"]
+    assert all(r["pid"] == os.getpid() and r["child_pid"] != os.getpid() for r in records)
+    bad, sleeper, silent = (r["error"] for r in records)
+    assert bad.startswith("exit status 2: ") and "--shapes" in bad
+    assert sleeper.startswith("timed out after 5 s")
+    assert silent.startswith("no peer_process record")
 
 
-def _their_weights(model: gemma3.Model) -> dict[str, np.ndarray]:
-    ours = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-    theirs = {"model.embed_tokens.weight": ours["token_embd.weight"],
-              "model.norm.weight": ours["output_norm.weight"] - 1}
-    for i in range(TINY.num_hidden_layers):
-        for mine, hf in NAMES.items():
-            w = ours[f"blk.{i}.{mine}.weight"]
-            theirs[f"model.layers.{i}.{hf}.weight"] = w - 1 if "norm" in mine else w
-    assert len(theirs) == len(ours)
-    return theirs
+def test_measure_records_the_rate_or_the_error_with_the_warnings_that_explain_it(capsys):
+    rec = gpu_peers.child_recorder("a peer", "flash")
+    got = gpu_peers.measure(rec, "gpu_prefill_tok_s", "tok/s", 8192, lambda: 0.5, n_tokens=8)
+    assert got["value"] == 16384.0 and got["seconds"] == 0.5
+    assert got["pid"] == os.getpid() and got["process"] == "a peer" and got["backend"] == "flash"
+
+    def refuses() -> float:
+        warnings.warn("Flash attention does not support non-null attn_mask.", stacklevel=1)
+        raise RuntimeError("No available kernel. Aborting execution." + "!" * 1000)
+
+    assert gpu_peers.measure(rec, "gpu_prefill_tok_s", "tok/s", 8192, refuses) is None
+    error = rec.records[-1]
+    assert error["metric"] == "peer_error" and error["for_metric"] == "gpu_prefill_tok_s"
+    assert error["error"].startswith("RuntimeError: No available kernel")
+    assert len(error["error"]) == gpu_peers.ERROR_CHARS
+    assert error["warnings"] == ["Flash attention does not support non-null attn_mask."]
 
 
-def _prefillq_logits(model: gemma3.Model, ids: list[int]) -> np.ndarray:
-    return start_prefill(model, ids, vocab_size=TINY.vocab_size,
-                         context_length=TINY.context_length, chunk_tokens=CHUNK).run()
+def _tflops(backend: str, value: float, queries: int = 8192, layout: str = "enable_gqa",
+            pid: int = 11) -> dict:
+    return {"metric": "attention_tflops", "value": value, "unit": "TFLOP/s",
+            "impl": TORCH_SDPA, "backend": backend, "layout": layout, "queries": queries,
+            "heads": 4, "pid": pid}
 
 
-def _relative_gap(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
+def _tok_s(impl: str, value: float, n: int, chunk: int, backend: str | None = None) -> dict:
+    return {"metric": "gpu_prefill_tok_s", "value": value, "unit": "tok/s", "impl": impl,
+            "backend": backend, "n_tokens": n, "chunk_tokens": chunk, "pid": 12}
 
 
-def test_mlx_lm_prefills_the_same_function_as_prefillq():
-    pytest.importorskip("mlx_lm")
-    ours = _prefillq_tiny()
-    peer = gpu_peers.mlx_lm_model(TINY, dtype=mx.float32)
-    peer.load_weights([(k, mx.array(v)) for k, v in _their_weights(ours).items()])
-    ids = [(7 * i + 3) % TINY.vocab_size for i in range(N)]
-    theirs = np.array(gpu_peers.mlx_lm_prefill(peer, mx.array(ids), CHUNK)[0])
-    assert theirs.shape == (TINY.vocab_size,)
-    assert _relative_gap(theirs, _prefillq_logits(ours, ids)) < SAME_FUNCTION_RTOL
-    # and its own full-vocabulary forward agrees with the last-position head
-    full = np.array(peer(mx.array(ids)[None])[0, -1])
-    assert _relative_gap(theirs, full) < SAME_FUNCTION_RTOL
+def test_the_best_backend_is_the_fastest_measured_at_each_size():
+    records = [
+        _tflops("default", 640.0, pid=1, layout="expanded kv"), _tflops("cudnn", 660.0, pid=2),
+        _tflops("flash", 290.0, pid=3), _tflops("flash", 300.0, pid=3, layout="expanded kv"),
+        {"metric": "peer_error", "value": 0.0, "impl": TORCH_SDPA, "backend": "efficient",
+         "queries": 8192, "pid": 4},
+        _tflops("math", 20.0, queries=32_768, pid=5), _tflops("flash", 295.0, queries=32_768),
+        _tok_s(HF_SDPA, 2e5, 8192, 8192, "cudnn"), _tok_s(HF_SDPA, 2.2e5, 8192, 8192, "default"),
+        _tok_s(HF_FLEX, 9e5, 8192, 8192, "flex_attention")]
+    best = gpu_peers.best(records, "attention_tflops", TORCH_SDPA, "queries")
+    assert {n: (r["backend"], r["value"]) for n, r in best.items()} == {
+        8192: ("cudnn", 660.0), 32_768: ("flash", 295.0)}
+
+    rec = Recorder(False, {}, tags={"pid": 99, "process": "parent"})
+    added = gpu_peers.record_best(rec, records)
+    assert [(r["impl"], r.get("queries", r.get("n_tokens")), r["backend"]) for r in added] == [
+        (TORCH_SDPA + " best", 8192, "cudnn"), (TORCH_SDPA + " best", 32_768, "flash"),
+        (HF_SDPA + " best", 8192, "default")]
+    top = added[0]
+    assert top["value"] == 660.0 and top["layout"] == "enable_gqa" and top["heads"] == 4
+    assert top["from_pid"] == 2 and top["pid"] == 99  # measured there, chosen here
+    assert top["candidates"] == {"default, expanded kv": 640.0, "cudnn, enable_gqa": 660.0,
+                                 "flash, enable_gqa": 290.0, "flash, expanded kv": 300.0}
+    assert added[2]["candidates"] == {"cudnn": 2e5, "default": 2.2e5}
+    assert added[2]["chunk_tokens"] == 8192
 
 
-def test_mlx_lm_prefill_seconds_at_tiny_shapes():
-    pytest.importorskip("mlx_lm")
-    rec = Recorder(True, {})
-    peers = gpu_peers.mlx_lm_cases(rec, [(N, CHUNK)], repeats=1, args=TINY)
-    assert peers[(gpu_peers.MLX_LM, N, CHUNK)] > 0
-    assert rec.records[0]["impl"] == gpu_peers.MLX_LM and rec.records[0]["mlx_lm"]
+def test_ratios_put_prefillq_over_each_peer_measured_in_the_run():
+    records = [_tok_s(MLX_LM, 100.0, 8192, 2048), _tok_s(MLX_LM, 400.0, 8192, 8192),
+               _tok_s(HF_FLEX, 250.0, 8192, 8192), _tok_s(HF_SDPA, 1.0, 8192, 8192, "math"),
+               _tok_s(HF_SDPA + " best", 500.0, 8192, 8192, "cudnn"),
+               _tok_s(HF_FLEX, 7.0, 32_768, 32_768)]
+    assert gpu_peers.ratios(200.0, 8192, 2048, records) == {
+        "over_mlx_lm": 2.0, "over_hf_flex": 0.8, "over_hf_sdpa": 0.4, "hf_sdpa_backend": "cudnn"}
+    assert gpu_peers.ratios(200.0, 8192, 8192, records)["over_mlx_lm"] == 0.5
+    assert gpu_peers.ratios(14.0, 32_768, 2048, records) == {"over_hf_flex": 2.0}
+    assert gpu_peers.ratios(150.0, 8192, 2048, []) == {}
+
+    best = {**_tflops("cudnn", 640.0), "impl": TORCH_SDPA + " best"}
+    assert gpu_peers.attention_ratios(160.0, 8192, [_tflops("cudnn", 1.0), best]) == {
+        "over_torch_sdpa": 0.25, "torch_sdpa_backend": "cudnn, enable_gqa"}
+    assert gpu_peers.attention_ratios(160.0, 32_768, [best]) == {}
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
-def test_hf_prefills_the_same_function_as_prefillq(attn):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    ours = _prefillq_tiny()
-    peer = gpu_peers.hf_model(attn, TINY, device="cpu", dtype=torch.float32)
-    assert type(peer).__name__ == "Gemma3ForCausalLM"
-    assert peer.config._attn_implementation == attn
-    missing, unexpected = peer.load_state_dict(
-        {k: torch.from_numpy(v) for k, v in _their_weights(ours).items()}, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    assert peer.lm_head.weight.data_ptr() == peer.model.embed_tokens.weight.data_ptr()
-    ids = [(7 * i + 3) % TINY.vocab_size for i in range(N)]
-    theirs = gpu_peers.hf_prefill(peer, torch.tensor([ids]))[0].float().numpy()
-    assert theirs.shape == (TINY.vocab_size,)
-    assert _relative_gap(theirs, _prefillq_logits(ours, ids)) < SAME_FUNCTION_RTOL
-
-
-def test_hf_cases_record_both_attentions_at_tiny_shapes():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    rec = Recorder(True, {})
-    peers = gpu_peers.hf_cases(rec, [N], repeats=1, args=TINY, device="cpu")
-    assert set(peers) == {(impl, N, N) for impl in gpu_peers.HF_IMPLS.values()}
-    assert all(r["metric"] == "gpu_prefill_tok_s" and r["transformers"] for r in rec.records)
-
-
-def test_the_peers_child_runs_under_mlx_graph_defaults_and_reports_back(monkeypatch):
-    """`measure_in_child`'s plumbing: the child gets MLX's own graph knobs, its records come
-    back with them, and a failed child is an error record, not a crash."""
-    seen = {}
-
-    def fake_run(argv, env, capture_output, text):  # the child, as a process would answer
-        seen.update(argv=argv, env=env)
-        out = json.dumps({"metric": "gpu_prefill_tok_s", "value": 1000.0, "unit": "tok/s",
-                          "impl": gpu_peers.MLX_LM, "n_tokens": 64, "chunk_tokens": 32})
-        return subprocess.CompletedProcess(argv, 0, "a library's line\n" + out + "\n", "")
-
-    monkeypatch.setattr(gpu_peers.subprocess, "run", fake_run)
-    rec = Recorder(False, {})
-    peers = gpu_peers.measure_in_child(rec, [(64, 32)], 2)
-    assert seen["argv"][1:] == ["-m", "bench.gpu_peers", "--repeats", "2", "64:32"]
-    assert all(seen["env"][k] == v for k, v in gpu_peers.MLX_GRAPH_DEFAULTS.items())
-    assert peers == {(gpu_peers.MLX_LM, 64, 32): 1000.0}
-    assert rec.records[0]["mlx_env"] == gpu_peers.MLX_GRAPH_DEFAULTS
-
-    monkeypatch.setattr(gpu_peers.subprocess, "run", lambda argv, **kw:
-                        subprocess.CompletedProcess(argv, 1, "", "Traceback: boom"))
-    rec = Recorder(False, {})
-    assert gpu_peers.measure_in_child(rec, [(64, 32)], 2) == {}
-    assert rec.records[-1]["metric"] == "gpu_prefill_error" and "boom" in rec.records[-1]["error"]
-
-
-def test_the_peers_module_runs_as_a_child(tmp_path):
-    """``python -m bench.gpu_peers`` for real: JSON lines only on stdout (none here when no
-    peer is importable, or the peers' records when they are)."""
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_peers", "--repeats", "1", "16:16"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    for line in done.stdout.splitlines():
-        assert json.loads(line)["metric"] in ("gpu_prefill_tok_s", "gpu_prefill_error")
+@pytest.mark.parametrize("module", ["bench.gpu_peers", "bench.gpu_peer_torch"])
+def test_the_torch_side_imports_no_mlx(module):
+    done = subprocess.run([sys.executable, "-c", f"import sys, {module}; "
+                           "print('mlx' in sys.modules, 'model' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120, cwd=gpu_peers.ROOT)
+    assert done.stdout.split() == ["False", "False"], done.stderr
