@@ -36,9 +36,13 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    """Control tokens (``<bos>``, ``<start_of_turn>``) give their text unless
+    ``skip_special_tokens``, as transformers' ``decode``."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = DEFAULT_MODEL
     tokens: list[int]
+    skip_special_tokens: bool = False
 
 
 @router.post("/tokenize")
@@ -61,7 +65,7 @@ async def detokenize(req: DetokenizeRequest,
                      client: Client) -> dict:
     """``{"prompt": str}``; an id outside the vocabulary is a 400 ``TokenOutOfRange``."""
     tokenizer = await client.tokenizer(req.model)
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)}
 
 
 @router.get("/tokenizer_info")
