@@ -17,7 +17,8 @@ from .liveness import LiveWorkers
 
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               score_with_bos: bool = False) -> FastAPI:
     """The gateway over `client`, which the app closes when it shuts down.
 
     Args:
@@ -25,6 +26,8 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
         api_key: when set, every endpoint but ``/health`` and ``/metrics`` wants
             ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_body_bytes: larger request bodies are refused with 413.
+        score_with_bos: ``/v1/completions`` scores token ids that do not start with the
+            model's BOS as if it preceded them; the echo still covers only the client's ids.
     """
 
     @asynccontextmanager
@@ -36,6 +39,7 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                   description="Chunked, resumable, exact prefill as an HTTP service.")
     app.state.client = client
     app.state.api_key = api_key
+    app.state.score_with_bos = score_with_bos
     app.state.live_workers = LiveWorkers(client.redis)
     for error_type, handler in HANDLERS.items():
         app.add_exception_handler(error_type, handler)

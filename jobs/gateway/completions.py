@@ -12,7 +12,9 @@ it sums ``token_logprobs[ctxlen:-1]`` and compares each with ``max(top_logprobs[
 
 The echo covers what the client sent: a text prompt's tokens, less the BOS the model's
 tokenizer puts first, or the token ids as given; that BOS is context, so the first echoed token
-has a logprob. ``tokens`` are each token's share of the echoed ``text`` (control tokens
+has a logprob. With ``prefillq serve --score-with-bos``, token ids that do not start with
+the model's BOS are scored after one too, for clients that tokenize without it (lm-eval's
+remote tokenizer). ``tokens`` are each token's share of the echoed ``text`` (control tokens
 included) and ``text_offset`` indexes it exactly (`jobs.tokenizer.ServedTokenizer.pieces`).
 
 Sampling cannot be honoured: ``temperature`` must be 0 (or absent) when a token is asked for,
@@ -108,14 +110,26 @@ def job_options(req: CompletionRequest) -> dict[str, Any]:
     return options
 
 
-def needs_tokenizer(req: CompletionRequest, inputs: Sequence[dict]) -> bool:
-    """Token strings are needed for logprobs, and the text of token-id prompts for echo."""
-    return req.logprobs is not None or (req.echo and any("tokens" in i for i in inputs))
+def needs_tokenizer(req: CompletionRequest, inputs: Sequence[dict], score_with_bos: bool) -> bool:
+    """Token strings are needed for logprobs, the text of token-id prompts for echo, and
+    the BOS id for `with_bos`."""
+    token_ids = any("tokens" in i for i in inputs)
+    return req.logprobs is not None or (token_ids and (req.echo or score_with_bos))
+
+
+def with_bos(inputs: Sequence[dict], bos_id: int | None) -> list[dict]:
+    """`inputs` as submitted under ``--score-with-bos``: token ids that do not start with
+    `bos_id` get it in front, scored as context and never echoed (`echo_start`)."""
+    if bos_id is None:
+        return list(inputs)
+    return [{"tokens": [bos_id, *i["tokens"]]} if i.get("tokens") and i["tokens"][0] != bos_id
+            else i for i in inputs]
 
 
 @dataclass
 class Scored:
-    """One prompt's job: its input, and its result once finished."""
+    """One prompt's job: the client's input (before `with_bos`), and its result once
+    finished."""
 
     input: dict[str, Any]
     result: PrefillResult
@@ -141,10 +155,10 @@ def choice(index: int, scored: Scored, req: CompletionRequest,
 
 
 def echo_start(scored: Scored, tokenizer: ServedTokenizer) -> int:
-    """The job's first position the echo covers: past the BOS the client did not send, the
-    one the model's tokenizer puts before a text prompt."""
+    """The job's first position the echo covers: past the BOS the client did not send (the
+    one the model's tokenizer puts before a text prompt, or `with_bos`'s)."""
     if "tokens" in scored.input:
-        return 0
+        return scored.result.n_tokens - len(scored.input["tokens"])
     return int(tokenizer.add_bos and tokenizer.bos_id is not None)
 
 
@@ -213,9 +227,13 @@ async def completions(req: CompletionRequest, request: Request,
     check_request(req)
     inputs = prompt_inputs(req.prompt)
     await require_live_worker(request, req.model)
-    tokenizer = await client.tokenizer(req.model) if needs_tokenizer(req, inputs) else None
+    score_with_bos: bool = request.app.state.score_with_bos
+    tokenizer = (await client.tokenizer(req.model)
+                 if needs_tokenizer(req, inputs, score_with_bos) else None)
+    jobs = (with_bos(inputs, tokenizer.bos_id) if score_with_bos and tokenizer is not None
+            else inputs)
     options = job_options(req)
-    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in inputs),
+    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in jobs),
                                      return_exceptions=True)
     job_ids = [j for j in submitted if isinstance(j, str)]
     refused = next((e for e in submitted if isinstance(e, BaseException)), None)

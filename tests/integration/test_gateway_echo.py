@@ -1,8 +1,9 @@
 """What ``/v1/completions`` echoes, through the gateway in process (httpx's ASGI transport)
 over a real redis-server and a real worker process on the tiny Gemma 3, whose small
 vocabulary spells most characters in byte-fallback tokens: the tokens spell the echoed text
-at their offsets, a text prompt's BOS is context, and ``/detokenize`` gives control tokens'
-text unless asked to skip them."""
+at their offsets, a text prompt's BOS is context, ``score_with_bos`` scores token ids after
+the BOS they lack without changing the echo, and ``/detokenize`` gives control tokens' text
+unless asked to skip them."""
 
 from __future__ import annotations
 
@@ -66,6 +67,30 @@ async def test_token_ids_echo_their_text_control_tokens_included(url, sync):
         assert c["text"] == "<bos>" + text + lp["tokens"][-1]
         assert lp["tokens"][0] == "<bos>" and lp["token_logprobs"][0] is None
         assert len(lp["tokens"]) == len(ids) + 1
+
+
+async def test_score_with_bos_scores_token_ids_after_the_bos_without_echoing_it(url, sync):
+    tokenizer = sync.tokenizer(MODEL)
+    ids = tokenizer.encode("a 𓀀 b Paris", add_bos=False)
+    body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}  # lm-eval's loglikelihood request
+    async with gateway(url, score_with_bos=True) as with_bos, gateway(url) as plain:
+        scored = (await with_bos.post("/v1/completions", json=body)).json()["choices"][0]
+        bare = (await plain.post("/v1/completions", json=body)).json()["choices"][0]
+        bos_first = {**body, "prompt": [[tokenizer.bos_id, *ids]]}
+        assert ((await with_bos.post("/v1/completions", json=bos_first)).json()["choices"]
+                == (await plain.post("/v1/completions", json=bos_first)).json()["choices"])
+    native = sync.result(sync.submit(tokens=[tokenizer.bos_id, *ids], model=MODEL, top_k=1,
+                                     prompt_logprobs=1), timeout=60)
+    lp = scored["logprobs"]
+    assert lp["token_logprobs"] == [e["logprob"] for e in native.prompt_logprobs[1:-1]] + [
+        native.top_k[0].logprob]
+    assert lp["top_logprobs"][0] is not None and bare["logprobs"]["token_logprobs"][0] is None
+    # the echo is the client's ids either way (the one token after them may differ)
+    assert_spelled(scored)
+    assert scored["text"] == "a 𓀀 b Paris" + lp["tokens"][-1]
+    assert lp["tokens"][:-1] == bare["logprobs"]["tokens"][:-1]
+    assert lp["text_offset"] == bare["logprobs"]["text_offset"]
 
 
 async def test_detokenize_gives_control_tokens_text_unless_skipped(url, sync):

@@ -1,14 +1,14 @@
 """`jobs.gateway.completions`'s pure pieces: the echoed tokens spell the choice's text at their
-offsets, and the BOS the client did not send is context and not echoed. On the tiny Gemma 3's
-real published tokenizer (its small vocabulary spells most characters in byte-fallback
-tokens) and the real Gemma 3's; the results are made here, with a logprob for every
-position."""
+offsets, the BOS the client did not send is context and not echoed, and ``--score-with-bos``
+puts one before token ids only where it is missing. On the tiny Gemma 3's real published
+tokenizer (its small vocabulary spells most characters in byte-fallback tokens) and the real
+Gemma 3's; the results are made here, with a logprob for every position."""
 
 from __future__ import annotations
 
 import pytest
 
-from jobs.gateway.completions import CompletionRequest, Scored, choice
+from jobs.gateway.completions import CompletionRequest, Scored, choice, with_bos
 from jobs.schema import PrefillResult, TopLogit
 from jobs.tokenizer import ServedTokenizer, pack_tokenizer
 
@@ -92,3 +92,21 @@ def test_a_character_in_byte_tokens_belongs_to_the_token_that_completes_it(tiny)
     assert c["logprobs"]["tokens"] == ["a", " ", "", "", "", "𓀀", " ", "b"]
     assert c["logprobs"]["text_offset"] == [0, 1, 2, 2, 2, 2, 3, 4]
 
+
+def test_with_bos_puts_one_before_token_ids_that_lack_it():
+    inputs = [{"tokens": [5, 6]}, {"tokens": [2, 5]}, {"prompt": "text"}, {"tokens": []}]
+    assert with_bos(inputs, 2) == [{"tokens": [2, 5, 6]}, {"tokens": [2, 5]},
+                                   {"prompt": "text"}, {"tokens": []}]
+    assert with_bos(inputs, None) == inputs
+
+
+def test_the_bos_put_before_token_ids_is_context_not_echo(tiny):
+    tokenizer = served(tiny)
+    ids = tokenizer.encode("a 𓀀 b", add_bos=False)
+    (job_input,) = with_bos([{"tokens": ids}], tokenizer.bos_id)
+    c = echoed(tokenizer, scored({"tokens": ids}, job_input["tokens"], generated=ids[0]), 1)
+    assert_spelled(c)
+    lp = c["logprobs"]
+    assert c["text"] == "a 𓀀 b" + tokenizer.piece(ids[0])
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] == -1.0
+    assert lp["top_logprobs"][0] is not None
