@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY jobs ./jobs
 COPY model ./model
 COPY worker ./worker
+COPY tokentext ./tokentext
 
 FROM source AS gateway
 RUN pip install --no-cache-dir ".[gateway]"

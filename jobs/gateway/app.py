@@ -20,7 +20,8 @@ ROUTERS = (native.router, completions.router, tokenize.router, observe.router)
 
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               score_with_bos: bool = False) -> FastAPI:
     """The gateway over `client`, which the app closes when it shuts down.
 
     Args:
@@ -28,6 +29,8 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
         api_key: when set, every endpoint but ``/health`` and ``/metrics`` wants
             ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_body_bytes: larger request bodies are refused with 413.
+        score_with_bos: ``/v1/completions`` scores token ids that do not start with the
+            model's BOS as if it preceded them; the echo still covers only the client's ids.
     """
 
     @asynccontextmanager
@@ -39,6 +42,7 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                   description="Chunked, resumable, exact prefill as an HTTP service.")
     app.state.client = client
     app.state.api_key = api_key
+    app.state.score_with_bos = score_with_bos
     app.state.live_workers = LiveWorkers(client.redis)
     for error_type, handler in HANDLERS.items():
         app.add_exception_handler(error_type, handler)

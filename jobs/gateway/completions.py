@@ -10,6 +10,13 @@ a batch is one job per prompt, interleaved by the queue. This is what lm-evaluat
 ``local-completions`` model sends for log-likelihoods (``lm_eval/models/openai_completions.py``):
 it sums ``token_logprobs[ctxlen:-1]`` and compares each with ``max(top_logprobs[i])``.
 
+The echo covers what the client sent: a text prompt's tokens, less the BOS the model's
+tokenizer puts first, or the token ids as given; that BOS is context, so the first echoed token
+has a logprob. With ``prefillq serve --score-with-bos``, token ids that do not start with
+the model's BOS are scored after one too, for clients that tokenize without it (lm-eval's
+remote tokenizer). ``tokens`` are each token's share of the echoed ``text`` (control tokens
+included) and ``text_offset`` indexes it exactly (`jobs.tokenizer.ServedTokenizer.pieces`).
+
 Sampling cannot be honoured: ``temperature`` must be 0 (or absent) when a token is asked for,
 and ``n``, ``best_of`` above 1, ``stream``, ``suffix`` and ``logit_bias`` are refused.
 """
@@ -20,6 +27,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -103,14 +111,26 @@ def job_options(req: CompletionRequest) -> dict[str, Any]:
     return options
 
 
-def needs_tokenizer(req: CompletionRequest, inputs: Sequence[dict]) -> bool:
-    """Token strings are needed for logprobs, and the text of token-id prompts for echo."""
-    return req.logprobs is not None or (req.echo and any("tokens" in i for i in inputs))
+def needs_tokenizer(req: CompletionRequest, inputs: Sequence[dict], score_with_bos: bool) -> bool:
+    """Token strings are needed for logprobs, the text of token-id prompts for echo, and
+    the BOS id for `with_bos`."""
+    token_ids = any("tokens" in i for i in inputs)
+    return req.logprobs is not None or (token_ids and (req.echo or score_with_bos))
+
+
+def with_bos(inputs: Sequence[dict], bos_id: int | None) -> list[dict]:
+    """`inputs` as submitted under ``--score-with-bos``: token ids that do not start with
+    `bos_id` get it in front, scored as context and never echoed (`echo_start`)."""
+    if bos_id is None:
+        return list(inputs)
+    return [{"tokens": [bos_id, *i["tokens"]]} if i.get("tokens") and i["tokens"][0] != bos_id
+            else i for i in inputs]
 
 
 @dataclass
 class Scored:
-    """One prompt's job: its input, and its result once finished."""
+    """One prompt's job: the client's input (before `with_bos`), and its result once
+    finished."""
 
     input: dict[str, Any]
     result: PrefillResult
@@ -119,79 +139,55 @@ class Scored:
 def choice(index: int, scored: Scored, req: CompletionRequest,
            tokenizer: ServedTokenizer | None) -> dict[str, Any]:
     """One ``choices[]`` entry: ``text`` (the prompt when echoed, then the token when
-    ``max_tokens`` is 1) and ``logprobs`` (None unless asked for)."""
+    ``max_tokens`` is 1) and ``logprobs`` (None unless asked for), whose tokens spell
+    ``text``."""
     result, generate = scored.result, (1 if req.max_tokens is None else req.max_tokens)
-    generated = result.top_k[0].piece if generate else ""
-    prompt_text = ""
-    if req.echo:
-        prompt_text = scored.input.get("prompt")
-        if prompt_text is None:
-            prompt_text = tokenizer.decode(scored.input["tokens"])
-    logprobs = None
     if req.logprobs is not None:
-        logprobs = logprobs_of(result, req, tokenizer, generate)
-    return {"index": index, "text": prompt_text + generated, "logprobs": logprobs,
-            "finish_reason": "length"}
+        logprobs = logprobs_of(scored, req, tokenizer, generate)
+        text = "".join(logprobs["tokens"])
+    else:
+        logprobs, text = None, result.top_k[0].piece if generate else ""
+        if req.echo:
+            prompt = scored.input.get("prompt")
+            if prompt is None:
+                prompt = tokenizer.decode(scored.input["tokens"])
+            text = prompt + text
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": "length"}
 
 
-def logprobs_of(result: PrefillResult, req: CompletionRequest, tokenizer: ServedTokenizer,
+def echo_start(scored: Scored, tokenizer: ServedTokenizer) -> int:
+    """The job's first position the echo covers: past the BOS the client did not send (the
+    one the model's tokenizer puts before a text prompt, or `with_bos`'s)."""
+    if "tokens" in scored.input:
+        return scored.result.n_tokens - len(scored.input["tokens"])
+    return int(tokenizer.add_bos and tokenizer.bos_id is not None)
+
+
+def logprobs_of(scored: Scored, req: CompletionRequest, tokenizer: ServedTokenizer,
                 generate: int) -> dict[str, list]:
-    """The legacy ``logprobs`` object: ``tokens``, ``token_logprobs`` (None for the first
-    echoed token, which has no context), ``top_logprobs`` (K strings -> logprob, highest
-    first; None for the first echoed token) and ``text_offset`` (each token's character
-    offset in ``text``)."""
+    """The legacy ``logprobs`` object: ``tokens`` (each token's share of the choice's text:
+    `ServedTokenizer.pieces`), ``token_logprobs`` (None for a first token with no context),
+    ``top_logprobs`` (K strings -> logprob, highest first; None where the logprob is) and
+    ``text_offset`` (each token's character offset in the text)."""
+    result = scored.result
     entries: list[tuple[int, float | None, list[dict] | None]] = []
     if req.echo:
-        for i, e in enumerate(result.prompt_logprobs[:-1]):
+        start = echo_start(scored, tokenizer)
+        for i, e in enumerate(result.prompt_logprobs[start:-1], start):
             entries.append((e["token"], e["logprob"], None if i == 0 else e["top"]))
+    tokens = tokenizer.pieces([token for token, _, _ in entries])
     if generate:
-        top = [{"id": t.id, "logprob": t.logprob} for t in result.top_k[:req.logprobs]]
         best = result.top_k[0]
-        entries.append((best.id, best.logprob, top))
-    tokens = [tokenizer.piece(token) for token, _, _ in entries]
-    offsets = text_offsets([token for token, _, _ in entries], tokens, tokenizer)
+        entries.append((best.id, best.logprob, [{"id": t.id, "logprob": t.logprob}
+                                                for t in result.top_k[:req.logprobs]]))
+        tokens.append(tokenizer.piece(best.id))
     return {
         "tokens": tokens,
         "token_logprobs": [logprob for _, logprob, _ in entries],
         "top_logprobs": [None if top is None else _top_dict(top, tokenizer)
                          for _, _, top in entries],
-        "text_offset": offsets,
+        "text_offset": list(accumulate((len(t) for t in tokens), initial=0))[:-1],
     }
-
-
-# A replacement character in a token's text: a byte-fallback token, part of one character.
-_PARTIAL = "\ufffd"
-# UTF-8 spells a character in at most 4 bytes: bytes still unfinished after this many are
-# invalid ones, and their U+FFFD is the text's.
-_MAX_CHAR_BYTES = 4
-
-
-def text_offsets(ids: Sequence[int], pieces: Sequence[str],
-                 tokenizer: ServedTokenizer) -> list[int]:
-    """Each token's character offset in the decoded text of `ids` (`pieces` are their
-    texts). A token's text is whole characters, except byte-fallback tokens, which carry
-    one byte of a multi-byte character each (their text is U+FFFD): in a run of those, each
-    token gets the offset of the character it starts or is inside. Linear in the tokens:
-    the run is decoded from its last character boundary on."""
-    offsets, at, i = [], 0, 0
-    while i < len(ids):
-        if _PARTIAL not in pieces[i]:
-            offsets.append(at)
-            at += len(pieces[i])
-            i += 1
-            continue
-        boundary = i  # the bytes before it decode to whole characters, `at` of them
-        while i < len(ids) and _PARTIAL in pieces[i]:
-            if i > boundary:
-                # an unfinished character decodes to U+FFFD (some decoders turn every byte
-                # of the run into one then), so only a clean decode ends a character
-                head = tokenizer.decode(ids[boundary:i])
-                if _PARTIAL not in head or i - boundary > _MAX_CHAR_BYTES:
-                    at, boundary = at + len(head), i
-            offsets.append(at)
-            i += 1
-        at += len(tokenizer.decode(ids[boundary:i]))
-    return offsets
 
 
 def _top_dict(top: list[dict], tokenizer: ServedTokenizer) -> dict[str, float]:
@@ -232,9 +228,13 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
     check_request(req)
     inputs = prompt_inputs(req.prompt)
     await require_live_worker(request, req.model)
-    tokenizer = await client.tokenizer(req.model) if needs_tokenizer(req, inputs) else None
+    score_with_bos: bool = request.app.state.score_with_bos
+    tokenizer = (await client.tokenizer(req.model)
+                 if needs_tokenizer(req, inputs, score_with_bos) else None)
+    jobs = (with_bos(inputs, tokenizer.bos_id) if score_with_bos and tokenizer is not None
+            else inputs)
     options = job_options(req)
-    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in inputs),
+    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in jobs),
                                      return_exceptions=True)
     job_ids = [j for j in submitted if isinstance(j, str)]
     refused = next((e for e in submitted if isinstance(e, BaseException)), None)

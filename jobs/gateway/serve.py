@@ -28,6 +28,10 @@ def add_serve(sub) -> None:
                    "off when unset)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="refuse larger request bodies with 413 (default %(default)s)")
+    p.add_argument("--score-with-bos", action="store_true",
+                   help="/v1/completions scores token-id prompts that do not start with the "
+                   "model's BOS as if it preceded them (for lm-eval's remote tokenizer, which "
+                   "tokenizes without BOS); the echo still covers only the client's tokens")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -51,6 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     app = create_app(AsyncPrefillClient.from_url(args.redis), api_key=api_key or None,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, score_with_bos=args.score_with_bos)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -38,9 +38,13 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    """Control tokens (``<bos>``, ``<start_of_turn>``) give their text unless
+    ``skip_special_tokens``, as transformers' ``decode``."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = DEFAULT_MODEL
     tokens: list[int]
+    skip_special_tokens: bool = False
 
 
 @router.post("/tokenize", openapi_extra=documented(TokenizeRequest))
@@ -63,7 +67,7 @@ async def detokenize(req: Annotated[DetokenizeRequest, Depends(parsed(Detokenize
                      client: Client) -> dict:
     """``{"prompt": str}``; an id outside the vocabulary is a 400 ``TokenOutOfRange``."""
     tokenizer = await client.tokenizer(req.model)
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)}
 
 
 @router.get("/tokenizer_info")

@@ -20,6 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokentext import TokenText
+
 from .bpe import GPT2_PRE_TOKENIZERS, build_bpe
 from .chat import ChatTemplate, ChatTemplateError, ChatTemplateMissing
 from .spm import build_spm
@@ -64,9 +66,10 @@ class Tokenizer:
     ) -> None:
         """Wraps a built `tokenizers` object; use `from_gguf_metadata` to get one.
 
-        `piece_bytes` (byte-level vocabularies) gives each id's bytes for `decode`, which
-        otherwise asks the `tokenizers` decoder. `chat_template` renders `apply_chat_template`'s
-        messages (None: the model has no template). `pad_id` is only reported (`published`).
+        `piece_bytes` (byte-level vocabularies) gives each non-special id's bytes for
+        `decode`, which otherwise asks the `tokenizers` decoder (`tokentext.TokenText.of`).
+        `chat_template` renders `apply_chat_template`'s messages (None: the model has no
+        template). `pad_id` is only reported (`published`).
         """
         self._hf = hf
         self._bos_id = bos_id
@@ -74,6 +77,7 @@ class Tokenizer:
         self._add_bos = add_bos
         self._vocab_size = vocab_size
         self._piece_bytes = piece_bytes
+        self._text = TokenText.of(hf, vocab_size, piece_bytes)
         self._chat_template = chat_template
         self._pad_id = pad_id
         self._lock = threading.Lock()
@@ -232,16 +236,18 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_bos=False, parse_special=True)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of a token id sequence.
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of a token id sequence, as llama.cpp's ``detokenize(ids, special=True)``
+        (`tokentext.TokenText.decode`).
 
-        Control tokens (BOS, EOS, ``<start_of_turn>``, ...) render as nothing; byte tokens are
+        Control tokens (BOS, EOS, ``<start_of_turn>``, ...) give their text; byte tokens are
         joined into UTF-8 characters (an invalid byte sequence becomes U+FFFD). For ``"gpt2"``
         vocabularies every normal token is mapped back from GPT-2's byte alphabet; spaces are
         kept as they are (no clean-up of spaces before punctuation).
 
         Args:
             ids: token ids.
+            skip_special_tokens: leave control tokens out (llama.cpp's ``special=False``).
 
         Returns:
             The text. ``decode(encode(t, add_bos=False))`` gives `t` back, except that for
@@ -254,16 +260,13 @@ class Tokenizer:
         if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
             bad = next(i for i in ids if not 0 <= i < self._vocab_size)
             raise TokenizerError(f"token id {bad} is outside 0..{self._vocab_size - 1}")
-        if self._piece_bytes is not None:
-            pieces = self._piece_bytes
-            return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
-        return self._hf.decode(ids, skip_special_tokens=True)
+        return self._text.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def piece(self, token_id: int) -> str:
-        """Text of one token as a reader would see it (``" Paris"``, ``"\\n\\n"``, ``","``).
+        """Text of one token alone (``" Paris"``, ``"\\n\\n"``, ``"<end_of_turn>"``).
 
-        Matches llama.cpp's ``token_to_piece(id, special=False)``: control tokens give ``""``;
-        a lone byte token that is not a whole UTF-8 character gives U+FFFD.
+        Matches llama.cpp's ``token_to_piece(id, special=True)``: control tokens give their
+        text; a lone byte token that is not a whole UTF-8 character gives U+FFFD.
 
         Args:
             token_id: a token id.

@@ -256,7 +256,7 @@ async def test_echo_logprobs_equal_the_native_prompt_logprobs(http, sync):
     expected = [e["logprob"] for e in native.prompt_logprobs[:-1]] + [native.top_k[0].logprob]
     assert lp["token_logprobs"] == expected
     tokenizer = sync.tokenizer(MODEL)
-    assert lp["tokens"] == [tokenizer.piece(t) for t in token_ids] + [native.top_k[0].piece]
+    assert lp["tokens"] == tokenizer.pieces(token_ids) + [native.top_k[0].piece]
     for top, entry in zip(lp["top_logprobs"][1:-1], native.prompt_logprobs[1:-1], strict=True):
         assert top == {tokenizer.piece(t["id"]): t["logprob"] for t in reversed(entry["top"])}
         # lm-eval's is_greedy: the token's logprob against the best alternative's

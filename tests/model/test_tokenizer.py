@@ -49,7 +49,17 @@ def test_encode_matches_llamacpp(tok, case):
 @slow
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_piece_matches_llamacpp_top10(tok, case):
-    assert [tok.piece(i) for i in case["top10_ids"]] == case["top10_pieces"]
+    # the reference's pieces are llama.cpp's token_to_piece(special=False): <eos> gives ""
+    pieces = [tok.decode([i], skip_special_tokens=True) for i in case["top10_ids"]]
+    assert pieces == case["top10_pieces"]
+
+
+@slow
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_decode_of_llamacpp_ids_gives_the_text_and_its_bos(tok, case):
+    # llama.cpp's detokenize(special=True): a control token's piece is its text
+    assert tok.decode(case["tokens"]) == "<bos>" + case["text"]
+    assert tok.decode(case["tokens"], skip_special_tokens=True) == case["text"]
 
 
 @slow
@@ -144,8 +154,19 @@ def test_control_tokens_only_with_parse_special(tok, token_id):
     plain = tok.encode(text, parse_special=False)
     assert start not in plain and end not in plain
     assert token_id("\n") in plain  # user-defined tokens still match
-    assert tok.decode(plain) == text
-    assert tok.decode(parsed) == "user\nHi"
+    assert tok.decode(plain) == "<bos>" + text
+    assert tok.decode(parsed) == "<bos>" + text
+    assert tok.decode(parsed, skip_special_tokens=True) == "user\nHi"
+    assert tok.decode(plain, skip_special_tokens=True) == text  # written, not control tokens
+
+
+@slow
+def test_text_with_control_tokens_round_trips(tok):
+    text = "<start_of_turn>user\n你好🤖<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode(text, add_bos=False)
+    assert ids[:3] == [105, 2364, 107]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == "user\n你好🤖\nmodel\n"
 
 
 @slow
@@ -193,7 +214,8 @@ def test_char_absent_from_vocab_uses_byte_tokens(tok, metadata):
 @slow
 def test_piece_of_byte_and_control_tokens(tok, token_id):
     assert tok.piece(token_id("<0x41>")) == "A"
-    assert tok.piece(token_id("<start_of_turn>")) == ""
+    assert tok.piece(token_id("<start_of_turn>")) == "<start_of_turn>"
+    assert tok.piece(token_id("<0xE4>")) == "\ufffd"  # one byte of a 3-byte character
     assert tok.piece(token_id("\u2581Paris")) == " Paris"
 
 

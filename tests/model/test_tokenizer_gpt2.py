@@ -323,6 +323,12 @@ def test_encode_matches_llamacpp(tok_for_pre, case):
     assert tok.encode(case["text"], parse_special=case["parse_special"]) == case["tokens"]
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_decode_of_llamacpp_ids_gives_the_text_and_its_bos(tok_for_pre, case):
+    # llama.cpp's detokenize(special=True): a control token's piece is its text
+    assert tok_for_pre(case["pre"]).decode(case["tokens"]) == BOS + case["text"]
+
+
 def test_reference_exercises_merges_digits_and_specials(tok, metadata):
     by_text = {
         (c["text"], c["parse_special"]): c["tokens"] for c in CASES if c["pre"] == "deepseek-v3"
@@ -368,15 +374,17 @@ def test_user_defined_tokens_match_without_special_parsing(tok, metadata):
     assert 1 not in tok.encode(EOS, add_bos=False, parse_special=False)
 
 
-@pytest.mark.parametrize("text", [t for t in TEXTS if "<" not in t])
+@pytest.mark.parametrize("text", TEXTS)
 def test_decode_round_trips(tok, text):
-    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text, add_bos=False)) == text
 
 
 def test_decode_and_piece(tok, metadata):
     tokens = metadata["tokenizer.ggml.tokens"]
-    assert tok.decode(tok.encode(f"{BOS}Hi{EOS}")) == "Hi"
-    assert tok.piece(0) == ""
+    ids = tok.encode(f"{BOS}Hi{EOS}", add_bos=False)
+    assert tok.decode(ids) == f"{BOS}Hi{EOS}"
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi"
+    assert tok.piece(0) == BOS
     assert tok.piece(tokens.index("Ġ")) == " "
     assert tok.piece(tokens.index("Ċ")) == "\n"
     assert tok.piece(tokens.index("<think>")) == "<think>"
@@ -456,4 +464,5 @@ def test_tiny_deepseek4_vocab_tokenizes(tmp_path):
     for text in ["Hello world", "1234567 深度求索 😀", "", "a\n\n b  c"]:
         ids = tok.encode(text)
         assert all(0 <= i < tok.vocab_size for i in ids)
-        assert tok.decode(ids) == text
+        assert tok.decode(ids, skip_special_tokens=True) == text
+        assert tok.decode(ids) == tokens[tok.bos_id] + text

@@ -66,6 +66,9 @@ def assert_same_decode(tok: Tokenizer, st: ServedTokenizer, seed: int, every_id=
     for _ in range(300):
         seq = rng.integers(0, tok.vocab_size, rng.integers(0, 40)).tolist()
         assert st.decode(seq) == tok.decode(seq), seq
+        skipped = st.decode(seq, skip_special_tokens=True)
+        assert skipped == tok.decode(seq, skip_special_tokens=True), seq
+        assert "".join(st.pieces(seq)) == st.decode(seq), seq
     assert st.decode(list(ids)) == tok.decode(list(ids))
     for bad in (-1, tok.vocab_size):
         with pytest.raises(TokenizerError):
@@ -74,6 +77,8 @@ def assert_same_decode(tok: Tokenizer, st: ServedTokenizer, seed: int, every_id=
             st.decode([0, bad])
         with pytest.raises(TokenOutOfRange):
             st.piece(bad)
+        with pytest.raises(TokenOutOfRange):
+            st.pieces([0, bad])
 
 
 def assert_same_fields(tok: Tokenizer, st: ServedTokenizer, tokens: list[str]) -> None:
