@@ -83,7 +83,7 @@ bench-quick: install
 
 lint: install
 	$(BIN)/pip install --quiet ruff
-	$(BIN)/ruff check model jobs worker tests bench
+	$(BIN)/ruff check model jobs worker tokentext tests bench
 
 clean:
 	rm -rf $(VENV) $(LLAMA_VENV) .pytest_cache
