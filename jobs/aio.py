@@ -27,7 +27,7 @@ from .defaults import (
 )
 from .limits import Limits
 from .queues import intake_levels, push_new, rq_queue_key
-from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model
+from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import CANCEL, RELEASE_CLAIM
 from .subscriber import CONNECTION_ERRORS, Subscriber
@@ -114,7 +114,7 @@ class AsyncPrefillClient:
         return protocol.models_of(await self.redis.hgetall(keys.MODELS))
 
     async def _model(self, name: str) -> ModelInfo:
-        blob = await self.redis.hget(keys.MODELS, name)
+        blob = await self.redis.hget(keys.MODELS, name_of("model", name))
         if blob is None:
             raise protocol.unknown_model(name, await self.models())
         return protocol.model_info(name, blob)

@@ -27,7 +27,7 @@ from .defaults import (
 )
 from .limits import Limits
 from .queues import enqueue_new, intake_depth
-from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model
+from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
 from .schema import JobStatus, LogitsMode, PrefillResult
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
@@ -111,7 +111,7 @@ class PrefillClient:
         return protocol.models_of(self.redis.hgetall(keys.MODELS))
 
     def _model(self, name: str) -> ModelInfo:
-        blob = self.redis.hget(keys.MODELS, name)
+        blob = self.redis.hget(keys.MODELS, name_of("model", name))
         if blob is None:
             raise protocol.unknown_model(name, self.models())
         return protocol.model_info(name, blob)

@@ -23,6 +23,7 @@ import msgpack
 from tokentext import TokenText
 
 from .errors import InvalidRequest, TokenizerMalformed, TokenizerUnavailable, TokenOutOfRange
+from .requests import utf8_size
 from .serializer import packb, unpackb
 
 if TYPE_CHECKING:
@@ -222,7 +223,10 @@ class ServedTokenizer:
 
         Returns:
             The token ids.
+        Raises:
+            InvalidRequest: `text` has a lone surrogate (UTF-8 cannot encode it).
         """
+        utf8_size("text", text)  # a lone surrogate: InvalidRequest, not a TypeError from Rust
         with_bos = self._add_bos if add_bos is None else add_bos
         with self._lock:
             self._hf.encode_special_tokens = not parse_special

@@ -81,6 +81,15 @@ def test_malformed_json_is_a_typed_400(stack, path):
     assert response.json()["error"]["message"].startswith("the body is not JSON")
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"prompt": "hi", "model": "\ud800"}),
+    ("/detokenize", {"tokens": [2], "model": "\ud800"}),
+])
+def test_a_lone_surrogate_in_a_model_name_is_a_typed_400(stack, path, body):
+    r = post(stack[1], path, json.dumps(body).encode())  # json writes the lone \ud800 escaped
+    assert error_of(r, 400) == "InvalidRequest"  # it was a 500 UnicodeEncodeError
+
+
 def first_response_line(gateway: GatewayProcess, path: str, start: bytes) -> bytes:
     """The status line the gateway answers to a chunked POST of which only `start` is sent
     (the rest never comes), or what the socket holds after 10 s."""

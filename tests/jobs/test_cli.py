@@ -47,6 +47,25 @@ def test_submit_status_cancel_result_and_reap_need_no_mlx(redis_server):
     assert reap.returncode == 0 and "reaped 0 jobs" in reap.stdout
 
 
+def test_a_write_redis_refuses_is_a_one_line_error(redis_server):
+    import redis
+
+    r = redis.Redis.from_url(redis_server)
+    r.flushall()
+    r.hset(keys.MODELS, "m", packb({"vocab_size": 100, "context_length": 64,
+                                    "architecture": "gemma3", "sha256": "0" * 64}))
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)  # below use: every write that grows memory is refused
+    try:
+        submit = light_prefillq("submit", "--redis", redis_server, "--model", "m",
+                                "--prompt", "hi")
+    finally:
+        r.config_set("maxmemory", 0)
+    assert submit.returncode == 2  # it was a 52-line traceback, exit 1
+    assert submit.stderr.startswith("prefillq: error: Redis refused the write")
+    assert submit.stderr.count("\n") == 1, submit.stderr
+
+
 def test_the_light_client_refuses_a_bad_request_in_one_line(redis_server):
     proc = light_prefillq("submit", "--redis", redis_server, "--model", "nope", "--prompt", "x")
     assert proc.returncode == 2

@@ -144,6 +144,12 @@ def test_numpy_ids_decode_and_non_integers_are_refused(vocab):
         st.decode(["3"])
 
 
+def test_a_lone_surrogate_is_an_invalid_request(vocab):
+    st = served(vocab[1])
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        st.encode("a\udc00b")  # the tokenizers binding raised a bare TypeError
+
+
 class YieldingAfterSet:
     """A `tokenizers` object that lets other threads run right after a setting changes, so
     an encode whose special-token toggle is not guarded would see another thread's."""

@@ -55,8 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         from model.runtime.blas import ensure_blas
 
         ensure_blas()  # may re-exec this command with an optimized BLAS preloaded
-    from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
+    from redis.exceptions import (
+        AuthenticationError,
+        AuthorizationError,
+        NoPermissionError,
+        ResponseError,
+    )
     from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from ..connection import refused_write
 
     try:
         return args.func(args)
@@ -78,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RedisConnectionError as e:
         print(f"prefillq: error: cannot reach Redis: {e}", file=sys.stderr)
+        return 2
+    except ResponseError as e:
+        if not refused_write(e):
+            raise
+        print(f"prefillq: error: Redis refused the write (maxmemory under noeviction, or a "
+              f"value over its size limit): {e}", file=sys.stderr)
         return 2
     except (CLIError, PrefillQError, ValueError, OSError) as e:
         print(f"prefillq: error: {e}", file=sys.stderr)
