@@ -10,6 +10,12 @@ import mlx.nn as nn
 from .reader import GGUFError, GGUFFile
 
 
+def flat_block_name(param: str) -> str:
+    """``blk.3.attn.attn_q.weight`` -> ``blk.3.attn_q.weight``: a GGUF block is flat, the
+    module's block holds ``attn`` and ``mlp`` (mlx-lm's shape)."""
+    return param.replace(".attn.", ".").replace(".mlp.", ".")
+
+
 def load_gguf_weights(
     model: nn.Module, gguf: GGUFFile, gguf_name: Callable[[str], str], dtype: mx.Dtype
 ) -> nn.Module:
