@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,3 +40,13 @@ def load_gguf_weights(
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def unused_tensors(
+    model: nn.Module, gguf: GGUFFile, gguf_name: Callable[[str], str], also: Iterable[str] = ()
+) -> list[str]:
+    """The tensors of `gguf` that no parameter of `model` (nor a name in `also`, a tensor the
+    architecture reads itself) maps onto, sorted: a variant the module would silently
+    ignore (a bias, a norm) if it loaded the rest."""
+    used = {gguf_name(name) for name, _ in nn.utils.tree_flatten(model.parameters())}
+    return sorted(set(gguf.tensor_types) - used - set(also))
