@@ -2,10 +2,11 @@
 
 The fused CUDA attention kernel (`model.kernels.flash_attention`) on the device:
 
-- ``--check``: the kernel against the unfused MLX path (`model.archs.gemma3.blocked_attention`
-  in float32 on the same bf16 inputs) at every supported shape: whole-prompt and
-  chunk-at-an-offset causal attention, sliding windows, GQA groups of 1 and 4, lengths that
-  are not block multiples; max |difference| over max |reference| within `BF16_TOLERANCE`.
+- ``--check``: the kernel against the unfused MLX path
+  (`model.archs._attention.blocked_attention` in float32 on the same bf16 inputs) at every
+  supported shape: whole-prompt and chunk-at-an-offset causal attention, sliding windows,
+  GQA groups of 1 and 4, lengths that are not block multiples; max |difference| over
+  max |reference| within `BF16_TOLERANCE`.
 - the micro-benchmark: one global layer's causal attention (`MICRO`: 4 query heads of 256,
   1 KV head, 8K and 32K queries), ours and MLX SDPA, fastest of 5 after a warm-up, as
   TFLOP/s of the causal work (`bench.common.causal_attention_flops`), each over torch
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from model.archs.gemma3 import blocked_attention
+from model.archs._attention import blocked_attention
 from model.kernels.flash_attention import available, flash_attention, grid_plan
 
 from .common import Recorder, causal_attention_flops, git_commit, log, refuse_existing

@@ -304,3 +304,29 @@ class ModelCache(CommittedCache):
                 layer._grow(capacity, self.position)
         mx.eval(self.arrays())
         return snapshot
+
+
+class KVCacheModel:
+    """`make_cache` and `cache_from_state` of a model whose layers use `ModelCache`: a mixin
+    for an architecture's ``Model`` with ``args.layer_specs()``, ``args.context_length`` and
+    an ``architecture`` name (recorded in each state, checked on load)."""
+
+    args: object
+    architecture: str
+
+    def make_cache(
+        self,
+        kv_dtype: mx.Dtype = mx.float32,
+        capacity: int = 0,
+        context_length: int = 0,
+        capacity_step: int | None = None,
+    ) -> ModelCache:
+        """An empty cache: `capacity` tokens reserved, `context_length` (default the model's)
+        at most, growing by `capacity_step` (default ``CAPACITY_STEP_TOKENS``)."""
+        ctx = context_length or self.args.context_length
+        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, self.architecture,
+                          capacity_step or CAPACITY_STEP_TOKENS)
+
+    def cache_from_state(self, state: CacheState) -> ModelCache:
+        """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""
+        return ModelCache.from_state(self.args.layer_specs(), state, self.architecture)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,7 +23,7 @@ from .cache_state import CacheState
 from .chunk import PrefillModel
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
 from .gguf.store import build_once
-from .gguf.synthetic import tiny_deepseek4_path, tiny_gemma3_path
+from .gguf.synthetic import TINY_LLAMAS, tiny_deepseek4_path, tiny_gemma3_path, tiny_llama_path
 from .planner import ChunkPlan
 from .prefill import Prefill, resume_prefill, start_prefill
 from .runtime.streams import cpu_streams
@@ -81,6 +82,9 @@ BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
     "gemma3-tiny": tiny_gemma3_path,
     # random weights, DeepSeek-V4 equations at small dims (docs/deepseek4-tiny.md)
     "deepseek4-tiny": tiny_deepseek4_path,
+    # random weights, 64-96 wide, no window: Llama 3 RoPE scaling, Qwen 2 biases, Qwen 3
+    # q/k norms (`model.gguf.synthetic.llama`)
+    **{name: partial(tiny_llama_path, config) for name, config in TINY_LLAMAS.items()},
 }
 
 # Built-in models whose GGUF carries no ``tokenizer.chat_template``: name -> the

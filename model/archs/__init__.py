@@ -8,7 +8,8 @@ one module here (plus, to serve it by name, an entry in `model.registry.BUILTIN_
 
 An architecture module provides (see `gemma3`):
 
-- ``ARCHITECTURE``: its ``general.architecture`` name.
+- ``ARCHITECTURE``: its ``general.architecture`` name (the module's name; the names
+  `REMAPPING` sends to it are variants it reads from the GGUF, as `llama` does).
 - ``ModelArgs``, a dataclass with ``from_gguf(gguf) -> ModelArgs`` (metadata only) and
   ``context_length`` and ``vocab_size`` attributes.
 - ``load(gguf, dtype) -> Model``: the weights, dequantized to `dtype`.
@@ -25,8 +26,9 @@ from types import ModuleType
 
 from ..gguf.reader import GGUFError
 
-# ``general.architecture`` values whose module has another name (none yet).
-REMAPPING: dict[str, str] = {}
+# ``general.architecture`` values whose module has another name: Qwen 2 and 3 are variants of
+# the Llama family's module.
+REMAPPING: dict[str, str] = {"qwen2": "llama", "qwen3": "llama"}
 
 
 def supported() -> list[str]:

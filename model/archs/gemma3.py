@@ -18,16 +18,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import window_mask
 from ..cache_plan import CachePlan, LayerSpec, plan_cache
-from ..cache_state import CacheState
 from ..gguf.reader import GGUFFile
-from ..gguf.weights import load_gguf_weights
+from ..gguf.weights import flat_block_name, load_gguf_weights
 from ..kernels import flash_attention as fused
 from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
-from ..kv_cache import CAPACITY_STEP_TOKENS, ModelCache
+from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
+from ._attention import cache_attention
 from ._gemma3_graph import GraphForward
 
 ARCHITECTURE = "gemma3"
@@ -124,97 +123,11 @@ class Attention(nn.Module):
         """The chunk's queries ``(B, heads, L, head_dim)`` over the keys and mask its cache
         returned (`model.kv_cache`: ``GlobalKVCache.update``, ``RingKVCache.update``): on a
         CUDA GPU in bf16, the fused kernel (`model.kernels.flash_attention`); elsewhere MLX's
-        attention, long chunks in blocks."""
+        attention (`model.archs._attention.cache_attention`)."""
         if fused_attention_applies(q, keys):
             return flash_attention(q, keys, values, self.scale, position, self.window)
-        if q.shape[2] > blocked_above() and mask is not None:
-            return self.attend(blocked_attention, q, keys, values, self.scale, position,
-                               self.window)
-        return self.attend(_attention, q, keys, values, self.scale, mask)
-
-    def attend(self, fn, q: mx.array, keys: mx.array, values: mx.array, *args) -> mx.array:
-        """``fn(q, keys, values, *args)`` with its heads on parallel CPU streams.
-
-        Query heads are independent; a group of ``n_heads / n_kv_heads`` of them shares one
-        KV head. With one KV head the query heads are split; otherwise whole groups, each
-        slice taking its own KV heads. Shapes as `blocked_attention`'s.
-        """
-        if self.n_kv_heads == 1:
-            return split_map(fn, [q], axis=1, shared=(keys, values, *args))
-        B, H, L, D = q.shape
-        grouped = q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
-
-        def group_slice(q5: mx.array, k: mx.array, v: mx.array) -> mx.array:
-            return fn(q5.reshape(B, -1, L, D), k, v, *args)
-
-        return split_map(group_slice, [grouped, keys, values], axis=1)
-
-
-def attention_block() -> int:
-    """Queries per block of `blocked_attention` on the default device: 512 on the CPU
-    (bound by exponentials, so skipping masked scores pays), 1,024 elsewhere (bound by
-    kernel launches, so fewer, larger blocks pay)."""
-    return 512 if mx.default_device() == mx.cpu else 1024
-
-
-def blocked_above() -> int:
-    """Chunk length in queries above which `Attention.core` attends in blocks: one block on
-    the CPU, 2,048 elsewhere (shorter chunks run faster in one masked attention there)."""
-    return attention_block() if mx.default_device() == mx.cpu else 2048
-
-
-def _attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-
-
-def blocked_attention(
-    q: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    scale: float,
-    position: int,
-    window: int | None,
-    block: int | None = None,
-) -> mx.array:
-    """Causal (optionally sliding-window) attention of a long chunk, in blocks of queries.
-
-    One (L, n_keys) masked attention computes, and exponentiates, every score, then the mask
-    discards the ones a query may not see: half of them for a whole-prompt causal pass,
-    more under a window. Each block of `block` queries here attends only to the keys some
-    query in it may see, ``[first query - window + 1, last query]`` (or from the first key
-    without a window), under the same mask, so the softmax runs over the same keys and the
-    masked-out scores are mostly never computed. Block ``b`` of a chunk at `position` with
-    ``n_prev`` earlier keys costs ``block x (n_prev + (b + 1) block)`` scores instead of
-    ``block x (n_prev + L)``; with a window, ``block x (block + window - 1)``.
-
-    Args:
-        q: ``(B, heads, L, head_dim)``, queries at positions ``[position, position + L)``.
-        keys, values: ``(B, kv_heads, n_prev + L, head_dim)``, the first at position
-            ``position - n_prev`` (`RingKVCache.update`: ``min(position, window - 1)``;
-            `GlobalKVCache.update`: all ``position`` earlier rows).
-        scale: the score scale.
-        position: the chunk's first position.
-        window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None.
-        block: queries per block (default `attention_block()`).
-    Returns:
-        ``(B, heads, L, head_dim)``.
-    """
-    block = block or attention_block()
-    L = q.shape[2]
-    k_start = position - (keys.shape[2] - L)
-    outs = []
-    for i0 in range(0, L, block):
-        i1 = min(i0 + block, L)
-        first = position + i0
-        lo = (max(k_start, first - window + 1) if window else k_start) - k_start
-        hi = position + i1 - k_start
-        if window and first + (i1 - i0) - 1 - (k_start + lo) >= window:
-            mask = window_mask(first, i1 - i0, k_start + lo, hi - lo, window)
-        else:
-            mask = "causal"  # MLX aligns the last query with the last key: exactly this
-        outs.append(mx.fast.scaled_dot_product_attention(
-            q[:, :, i0:i1], keys[:, :, lo:hi], values[:, :, lo:hi], scale=scale, mask=mask))
-    return mx.concatenate(outs, axis=2)
+        return cache_attention(q, keys, values, mask, scale=self.scale, position=position,
+                               window=self.window, n_kv_heads=self.n_kv_heads)
 
 
 def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
@@ -251,7 +164,7 @@ class Block(nn.Module):
         return h + self.post_ffw_norm(self.mlp(self.ffn_norm(h)))
 
 
-class Model(nn.Module):
+class Model(nn.Module, KVCacheModel):
     """Gemma 3 text model.
 
     ``model(inputs, cache)`` runs one chunk and returns the hidden state of its last
@@ -259,6 +172,8 @@ class Model(nn.Module):
     the last position only matters: at 262,144 x 640 it is the largest matmul per token
     (``every_position=True`` keeps every position, for prompt log-probabilities only).
     """
+
+    architecture = ARCHITECTURE
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -298,20 +213,6 @@ class Model(nn.Module):
         """``(B, hidden)`` -> ``(B, vocab)`` through the tied embedding."""
         return self.token_embd.as_linear(hidden)
 
-    def make_cache(
-        self,
-        kv_dtype: mx.Dtype = mx.float32,
-        capacity: int = 0,
-        context_length: int = 0,
-        capacity_step: int | None = None,
-    ) -> ModelCache:
-        ctx = context_length or self.args.context_length
-        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, ARCHITECTURE,
-                          capacity_step or CAPACITY_STEP_TOKENS)
-
-    def cache_from_state(self, state: CacheState) -> ModelCache:
-        """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""
-        return ModelCache.from_state(self.args.layer_specs(), state, ARCHITECTURE)
 
 
 def graph_applies(model: Model, cache: ModelCache) -> bool:
@@ -326,18 +227,13 @@ def _fused_attend(q, keys, values, scale, position, window, mask):
     return flash_attention(q, keys, values, scale, position, window)
 
 
-def gguf_name(param: str) -> str:
-    """``blk.3.attn.attn_q.weight`` -> ``blk.3.attn_q.weight``: the GGUF block is flat."""
-    return param.replace(".attn.", ".").replace(".mlp.", ".")
-
-
 def load(gguf: GGUFFile, dtype: mx.Dtype = mx.float32) -> Model:
     """Build a `Model` and load its weights from `gguf`, dequantized to `dtype`.
 
     Raises:
         GGUFError: a tensor is missing, has an unexpected shape or unsupported type.
     """
-    return load_gguf_weights(Model(ModelArgs.from_gguf(gguf)), gguf, gguf_name, dtype)
+    return load_gguf_weights(Model(ModelArgs.from_gguf(gguf)), gguf, flat_block_name, dtype)
 
 
 def cache_plan(args: ModelArgs, context_length: int, kv_dtype: mx.Dtype) -> CachePlan:

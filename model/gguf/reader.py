@@ -6,30 +6,30 @@ module only adapts its output to plain values and names the errors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-# Tensor types we dequantize. Others (IQ*, TQ*, ...) are rejected by name at load time.
-SUPPORTED_TENSOR_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-        GGMLQuantizationType.I32,  # returned as int32, not dequantized
-    }
-)
+
+@functools.cache
+def supported_tensor_types() -> frozenset[GGMLQuantizationType]:
+    """The tensor types `GGUFFile.tensor` reads: every type the installed `gguf` package
+    dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, IQ*, TQ*, ...),
+    found by dequantizing one zero block of each, plus I32 (returned as int32)."""
+    found = {GGMLQuantizationType.I32}
+    for qtype, (_, block_bytes) in GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        found.add(qtype)
+    return frozenset(found)
 
 
 class GGUFError(ValueError):
@@ -94,10 +94,11 @@ class GGUFFile:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise GGUFError(f"{self.path.name}: missing tensor {name!r}")
-        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        if tensor.tensor_type not in supported_tensor_types():
+            known = ", ".join(sorted(t.name for t in supported_tensor_types()))
             raise GGUFError(
                 f"{self.path.name}: tensor {name!r} has unsupported type "
-                f"{tensor.tensor_type.name}"
+                f"{tensor.tensor_type.name} (supported: {known})"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if tensor.tensor_type == GGMLQuantizationType.I32:  # integer tables (e.g. tid2eid)

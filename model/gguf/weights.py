@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .reader import GGUFError, GGUFFile
+
+
+def flat_block_name(param: str) -> str:
+    """``blk.3.attn.attn_q.weight`` -> ``blk.3.attn_q.weight``: a GGUF block is flat, the
+    module's block holds ``attn`` and ``mlp`` (mlx-lm's shape)."""
+    return param.replace(".attn.", ".").replace(".mlp.", ".")
 
 
 def load_gguf_weights(
@@ -34,3 +40,13 @@ def load_gguf_weights(
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def unused_tensors(
+    model: nn.Module, gguf: GGUFFile, gguf_name: Callable[[str], str], also: Iterable[str] = ()
+) -> list[str]:
+    """The tensors of `gguf` that no parameter of `model` (nor a name in `also`, a tensor the
+    architecture reads itself) maps onto, sorted: a variant the module would silently
+    ignore (a bias, a norm) if it loaded the rest."""
+    used = {gguf_name(name) for name, _ in nn.utils.tree_flatten(model.parameters())}
+    return sorted(set(gguf.tensor_types) - used - set(also))

@@ -132,7 +132,7 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         block_n: keys per step (a multiple of 16).
         warps: warps per block, 16 queries each.
     Returns:
-        bf16 ``(B, H, L, D)``, equal to `model.archs.gemma3.blocked_attention` within bf16
+        bf16 ``(B, H, L, D)``, equal to `model.archs._attention.blocked_attention` within bf16
         rounding (`bench.gpu_attention` checks it).
     Raises:
         ValueError: inputs `supports` refuses.

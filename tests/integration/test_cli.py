@@ -169,3 +169,14 @@ def test_run_deepseek4_tiny_chunked_equals_one_pass():
     tol = 1e-3 * max(abs(t["logit"]) for t in one_pass["top_k"])
     for a, b in zip(one_pass["top_k"], chunked["top_k"], strict=True):
         assert abs(a["logit"] - b["logit"]) <= tol
+
+
+def test_run_serves_a_gguf_by_path_under_its_name(tmp_path):
+    from model.gguf.synthetic.llama import QWEN3_TINY, write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "mine.gguf", QWEN3_TINY)
+    proc = prefillq("run", "the tiny model", "--model", f"mine={path}", "--json", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    record = last_json(proc.stdout)
+    assert (record["state"], record["model"]) == ("finished", "mine")
+    assert "loaded mine (qwen3, " in proc.stderr

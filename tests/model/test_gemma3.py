@@ -300,7 +300,7 @@ def test_blocked_attention_equals_the_masked_one(position, L, block, window):
     keys as `GlobalKVCache` does (every earlier row)."""
     import mlx.core as mx
 
-    from model.archs.gemma3 import blocked_attention
+    from model.archs._attention import blocked_attention
 
     n_prev = min(position, window - 1) if window else position
     rng = np.random.default_rng(position * 100 + L)

@@ -18,7 +18,7 @@ import pytest
 from gguf import GGUFWriter
 
 from model import archs, registry
-from model.archs import deepseek4, gemma3
+from model.archs import deepseek4, gemma3, llama
 from model.cache_plan import plan_cache
 from model.gguf.reader import GGUFError, file_sha256, read_gguf
 from model.registry import ModelNotFound, gemma3_270m_path, load_model, plan_for, resolve
@@ -32,15 +32,16 @@ EXPECTED_SHA256 = PACKAGE.EXPECTED_SHA256
 
 
 def test_architectures_are_found_by_module_name():
-    assert archs.supported() == ["deepseek4", "gemma3"]
+    assert archs.supported() == ["deepseek4", "gemma3", "llama", "qwen2", "qwen3"]
     assert archs.get_arch("gemma3") is gemma3
     assert archs.get_arch("deepseek4") is deepseek4
+    assert archs.get_arch("qwen2") is archs.get_arch("qwen3") is archs.get_arch("llama") is llama
 
 
 def test_every_architecture_module_provides_the_contract():
     for name in archs.supported():
         arch = archs.get_arch(name)
-        assert arch.ARCHITECTURE == name
+        assert arch.ARCHITECTURE == archs.REMAPPING.get(name, name)
         assert callable(arch.ModelArgs.from_gguf)
         assert callable(arch.load) and callable(arch.cache_plan)
         assert callable(arch.Model.make_cache)
@@ -52,22 +53,24 @@ def test_remapped_names_resolve_to_their_module(monkeypatch):
     assert "gemma3-text" in archs.supported()
 
 
-@pytest.mark.parametrize("name", ["llama", "", "deepseek4.model", "__init__", "../gemma3"])
+@pytest.mark.parametrize("name", ["mamba", "", "deepseek4.model", "__init__", "../gemma3",
+                                  "_attention"])
 def test_an_unsupported_architecture_lists_the_supported_ones(name):
-    with pytest.raises(GGUFError, match=r"unsupported architecture .*supported: deepseek4, gemma3"):
+    with pytest.raises(GGUFError, match=r"unsupported architecture .*supported: deepseek4, gemma3, "
+                                        r"llama, qwen2, qwen3$"):
         archs.get_arch(name)
 
 
 def test_load_model_names_the_file_of_an_unsupported_architecture(tmp_path):
-    path = tmp_path / "llama.gguf"
-    writer = GGUFWriter(str(path), "llama")
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(str(path), "mamba")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFError, match=r"^llama.gguf: unsupported architecture 'llama'; "):
+    with pytest.raises(GGUFError, match=r"^mamba.gguf: unsupported architecture 'mamba'; "):
         load_model(f"x={path}")
-    with pytest.raises(GGUFError, match="supported: deepseek4, gemma3"):
+    with pytest.raises(GGUFError, match="supported: deepseek4, gemma3, llama, qwen2, qwen3"):
         plan_for(f"x={path}")
 
 

@@ -50,7 +50,7 @@ def follow_progress(client: PrefillClient, job_id: str, timeout: float | None,
 def cmd_run(args: argparse.Namespace) -> int:
     submit_kwargs = dict(
         **prompt_input(args, args.text),
-        model=args.model,
+        model=args.model.partition("=")[0],  # a job names its model; NAME=/path.gguf loads it
         top_k=args.top_k,
         chunk_tokens=args.chunk_tokens,
     )

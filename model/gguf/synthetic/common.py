@@ -8,8 +8,19 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
+from ...tokenizer.bpe import bytes_to_unicode
+from ...tokenizer.vocab import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL
 from ..reader import GGUFError, file_sha256, read_gguf
 from ..store import build_once, cache_dir
+
+# A small GPT-2 byte-level BPE: the control tokens, the 256 byte tokens, then the tokens of
+# these merges (English's most frequent pairs, so text tokenizes into more than bytes).
+BPE_MERGES = [
+    "Ġ t", "h e", "Ġ a", "i n", "r e", "o n", "Ġt he", "e r", "Ġ s", "a t", "Ġ w", "Ġ o",
+    "e n", "Ġ c", "i s", "i t", "Ġ b", "o r", "e s", "Ġ f", "Ġ p", "a n", "e d", "Ġ m",
+    "in g", "Ġo f", "Ġ i", "a r", "o u", "Ġt o", "n d", "Ġa nd", "Ġi n", "Ġi s", "l l",
+    "Ġ d", "l e", "Ġ n", "Ġ h", "Ġo n", "Ġw h",
+]  # fmt: skip
 
 
 def f32(a) -> np.ndarray:
@@ -43,6 +54,35 @@ class RandomInit:
         """A random float64 unit vector of length `dim`."""
         v = self.rng.standard_normal(dim)
         return v / np.linalg.norm(v)
+
+
+def bpe_vocab(control: list[str]) -> tuple[list[str], list[int]]:
+    """(tokens, token types) of the tiny byte-level BPE vocabulary with `control` first."""
+    byte_chars = bytes_to_unicode()
+    tokens = list(control) + [byte_chars[b] for b in sorted(byte_chars)]
+    for merge in BPE_MERGES:
+        left, right = merge.split(" ")
+        assert left in tokens and right in tokens, f"merge {merge!r} uses an unknown token"
+        assert left + right not in tokens, f"merge {merge!r} repeats a token"
+        tokens.append(left + right)
+    types = [TOKEN_TYPE_CONTROL] * len(control) + [TOKEN_TYPE_NORMAL] * (len(tokens) - len(control))
+    return tokens, types
+
+
+def add_bpe_tokenizer(writer: GGUFWriter, pre: str, bos: str, eos: str, *, add_bos: bool,
+                      control: tuple[str, ...] = ()) -> int:
+    """Write the tiny byte-level BPE (``tokenizer.ggml.model`` gpt2, pre-tokenizer `pre`)
+    with control tokens `bos`, `eos` and `control`; returns the vocabulary size."""
+    tokens, types = bpe_vocab([bos, eos, *control])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(list(BPE_MERGES))
+    writer.add_bos_token_id(tokens.index(bos))
+    writer.add_eos_token_id(tokens.index(eos))
+    writer.add_add_bos_token(add_bos)
+    return len(tokens)
 
 
 def finish(writer: GGUFWriter, path: str | Path) -> Path:

@@ -16,9 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from ...tokenizer.bpe import bytes_to_unicode
-from ...tokenizer.vocab import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL
-from .common import RandomInit, cached_model, f32, finish
+from .common import RandomInit, add_bpe_tokenizer, cached_model, f32, finish
 
 DEEPSEEK4_TINY: dict[str, int | float | bool | str | list[int]] = {
     "block_count": 6,
@@ -63,14 +61,7 @@ DEEPSEEK4_TINY: dict[str, int | float | bool | str | list[int]] = {
 # Changed whenever the weights change, so cached files get rewritten (`tiny_deepseek4_path`).
 DEEPSEEK4_TINY_NAME = "prefillq tiny deepseek4 v2"
 
-# GPT-2 byte-level BPE: 2 control tokens, the 256 byte tokens, then the tokens of these merges.
 DEEPSEEK4_BOS, DEEPSEEK4_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-_DS4_MERGES = [
-    "Ġ t", "h e", "Ġ a", "i n", "r e", "o n", "Ġt he", "e r", "Ġ s", "a t", "Ġ w", "Ġ o",
-    "e n", "Ġ c", "i s", "i t", "Ġ b", "o r", "e s", "Ġ f", "Ġ p", "a n", "e d", "Ġ m",
-    "in g", "Ġo f", "Ġ i", "a r", "o u", "Ġt o", "n d", "Ġa nd", "Ġi n", "Ġi s", "l l",
-    "Ġ d", "l e", "Ġ n", "Ġ h", "Ġo n", "Ġw h",
-]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -109,19 +100,6 @@ class _Directions:
     key: np.ndarray
 
 
-def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of the tiny byte-level BPE vocabulary."""
-    byte_chars = bytes_to_unicode()
-    tokens = [DEEPSEEK4_BOS, DEEPSEEK4_EOS] + [byte_chars[b] for b in sorted(byte_chars)]
-    for merge in _DS4_MERGES:
-        left, right = merge.split(" ")
-        assert left in tokens and right in tokens, f"merge {merge!r} uses an unknown token"
-        assert left + right not in tokens, f"merge {merge!r} repeats a token"
-        tokens.append(left + right)
-    types = [TOKEN_TYPE_CONTROL] * 2 + [TOKEN_TYPE_NORMAL] * (len(tokens) - 2)
-    return tokens, types, list(_DS4_MERGES)
-
-
 def _add_metadata(writer: GGUFWriter, config: dict) -> None:
     """Write `config` as ``deepseek4.*`` keys (lists as uint32 arrays, floats as float32)."""
     for name, value in config.items():
@@ -136,20 +114,6 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-
-
-def _add_tokenizer(writer: GGUFWriter) -> int:
-    """Write the vocabulary, merges and special ids; returns the vocabulary size."""
-    tokens, types, merges = _bpe_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("deepseek-v3")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index(DEEPSEEK4_BOS))
-    writer.add_eos_token_id(tokens.index(DEEPSEEK4_EOS))
-    writer.add_add_bos_token(True)
-    return len(tokens)
 
 
 def _add_hyper_connections(writer: GGUFWriter, init: RandomInit, p: str, d: _Dims) -> None:
@@ -235,7 +199,8 @@ def write_tiny_deepseek4(path: str | Path, *, seed: int = 0) -> Path:
     writer = GGUFWriter(str(path), "deepseek4")
     writer.add_name(DEEPSEEK4_TINY_NAME)
     _add_metadata(writer, DEEPSEEK4_TINY)
-    d = _Dims(vocab=_add_tokenizer(writer))
+    vocab = add_bpe_tokenizer(writer, "deepseek-v3", DEEPSEEK4_BOS, DEEPSEEK4_EOS, add_bos=True)
+    d = _Dims(vocab=vocab)
     init = RandomInit(seed)
     u, s = init.unit(d.hidden), init.unit(d.q_rank)
     key = np.zeros(d.idx_dim)
