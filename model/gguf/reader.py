@@ -22,6 +22,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
         GGMLQuantizationType.F16,
         GGMLQuantizationType.BF16,
         GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,  # SmolLM2-135M's linear layers
         GGMLQuantizationType.Q5_0,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_K,
