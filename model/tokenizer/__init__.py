@@ -5,7 +5,7 @@ Two ``tokenizer.ggml.model`` values are supported, one module each:
 - ``"llama"`` (`model.tokenizer.spm`): SentencePiece-style BPE with scores and byte fallback,
   as in Gemma 3.
 - ``"gpt2"`` (`model.tokenizer.bpe`): byte-level BPE with ``tokenizer.ggml.merges``, as in
-  DeepSeek V3/V4, Llama 3 and Qwen 2.
+  DeepSeek V3/V4, Llama 3, Qwen 2 and SmolLM2.
 
 Both build a `tokenizers` object that `Tokenizer` wraps. llama.cpp's tokenizers are in its
 ``src/llama-vocab.cpp``. Chat messages are rendered with the GGUF's chat template
