@@ -242,7 +242,8 @@ def test_out_of_range_id_raises(tok):
 
 
 def _tiny_metadata(scores: dict[str, float], **extra) -> dict:
-    """A llama-model vocab: <unk>, <s>, </s>, "▁", then `scores`' tokens."""
+    """A llama-model vocab: <unk>, <s>, </s>, "▁", then `scores`' tokens; no space prefix,
+    as Gemma 3's."""
     tokens = ["<unk>", "<s>", "</s>", "\u2581", *scores]
     return {
         "tokenizer.ggml.model": "llama",
@@ -252,6 +253,7 @@ def _tiny_metadata(scores: dict[str, float], **extra) -> dict:
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": False,
         **extra,
     }
 
