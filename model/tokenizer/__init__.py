@@ -3,9 +3,9 @@
 Two ``tokenizer.ggml.model`` values are supported, one module each:
 
 - ``"llama"`` (`model.tokenizer.spm`): SentencePiece-style BPE with scores and byte fallback,
-  as in Gemma 3.
+  as in Gemma 3, Llama 2 and Mistral.
 - ``"gpt2"`` (`model.tokenizer.bpe`): byte-level BPE with ``tokenizer.ggml.merges``, as in
-  DeepSeek V3/V4, Llama 3 and Qwen 2.
+  DeepSeek V3/V4, Llama 3, Qwen 2 and SmolLM2.
 
 Both build a `tokenizers` object that `Tokenizer` wraps. llama.cpp's tokenizers are in its
 ``src/llama-vocab.cpp``. Chat messages are rendered with the GGUF's chat template
@@ -251,7 +251,9 @@ class Tokenizer:
 
         Returns:
             The text. ``decode(encode(t, add_bos=False))`` gives `t` back, except that for
-            ``"llama"`` vocabularies a literal ``"▁"`` comes back as a space.
+            ``"llama"`` vocabularies a literal ``"▁"`` comes back as a space, and the space
+            llama.cpp prepends to each text fragment when ``tokenizer.ggml.add_space_prefix``
+            is on (Llama 2, Mistral; not Gemma 3) stays in the text.
 
         Raises:
             TokenizerError: an id is outside ``0 .. vocab_size - 1``.

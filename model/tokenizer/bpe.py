@@ -1,6 +1,6 @@
 """``tokenizer.ggml.model == "gpt2"``: byte-level BPE with ``tokenizer.ggml.merges``.
 
-As in DeepSeek V3/V4, Llama 3 and Qwen 2. The text is split by the regexes llama.cpp's
+As in DeepSeek V3/V4, Llama 3, Qwen 2 and SmolLM2. The text is split by the regexes llama.cpp's
 ``llm_tokenizer_bpe`` (``src/llama-vocab.cpp``) uses for the ``tokenizer.ggml.pre`` value
 (see `GPT2_PRE_TOKENIZERS`), mapped to GPT-2's byte alphabet, then merged by merge rank.
 Checked against llama.cpp's ``llama-tokenize`` on a vocab-only DeepSeek-style GGUF
@@ -34,16 +34,15 @@ _LLAMA3_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 GPT2_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     # LLAMA_VOCAB_PRE_TYPE_DEFAULT
-    "default": (
-        r"[\p{P}\$\+<=>\^~\|]+",
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-        r"\p{N}+",
-        r"[0-9][0-9][0-9]",
-    ),
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"),
     # LLAMA_VOCAB_PRE_TYPE_GPT2
-    "gpt-2": (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",),
+    "gpt-2": (_GPT2_REGEX,),
+    # LLAMA_VOCAB_PRE_TYPE_SMOLLM (llama.cpp's STARCODER and REFACT too): digits one at a
+    # time, then GPT-2's split
+    "smollm": (r"\p{N}", _GPT2_REGEX),
     # LLAMA_VOCAB_PRE_TYPE_LLAMA3 (also merges whole pre-tokens that are tokens first)
     "llama3": (_LLAMA3_REGEX,),
     # LLAMA_VOCAB_PRE_TYPE_QWEN2: as Llama 3 but digits one at a time
@@ -71,6 +70,7 @@ _GPT2_PRE_ALIASES: dict[str, str] = {
     "qwen2": "qwen2",
     "deepseek-r1-qwen": "qwen2",
     "deepseek-v3": "deepseek-v3",
+    "smollm": "smollm",
 }
 # Kinds for which llama.cpp looks a whole pre-token up in the vocabulary before merging.
 _GPT2_PRE_IGNORE_MERGES = frozenset({"llama3"})

@@ -4,7 +4,8 @@ llama.cpp's ``llm_tokenizer_spm`` (``src/llama-vocab.cpp``) repeatedly merges th
 pair whose concatenation is the highest-scoring token. The same result comes from a
 `tokenizers` BPE whose merges are every split of every token into two tokens, ranked by the
 merged token's score (highest first). Checked against llama.cpp's token ids for Gemma 3 270M
-(tests/data/gemma3-270m-llamacpp.json, tests/model/test_tokenizer.py).
+(tests/data/gemma3-270m-llamacpp.json, tests/model/test_tokenizer.py) and for a Llama-2-style
+vocabulary with a space prefix (tests/model/test_tokenizer_spm.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tokenizers.models import BPE
 
 from .vocab import (
     TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_UNKNOWN,
     BuiltTokenizer,
     optional_id,
     vocab_arrays,
@@ -26,6 +28,7 @@ from .vocab import (
 )
 
 SPACE_MARK = "\u2581"  # "▁": SentencePiece's stand-in for a space.
+ADD_SPACE_PREFIX_KEY = "tokenizer.ggml.add_space_prefix"
 
 
 def build_spm(metadata: Mapping[str, Any]) -> BuiltTokenizer:
@@ -39,7 +42,11 @@ def build_spm(metadata: Mapping[str, Any]) -> BuiltTokenizer:
     bos_id = optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens))
     eos_id = optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens))
     unk_id = optional_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens))
-    hf = _build_spm_bpe(tokens, scores, types, bos_id=bos_id, unk_id=unk_id)
+    # llama.cpp's default for "llama" vocabularies (Llama 2, Mistral); Gemma 3's GGUF says false
+    space_prefix = bool(metadata.get(ADD_SPACE_PREFIX_KEY, True))
+    hf = _build_spm_bpe(
+        tokens, scores, types, bos_id=bos_id, unk_id=unk_id, space_prefix=space_prefix
+    )
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))
     return BuiltTokenizer(hf, bos_id, eos_id, add_bos, len(tokens))
 
@@ -51,6 +58,7 @@ def _build_spm_bpe(
     *,
     bos_id: int | None,
     unk_id: int | None,
+    space_prefix: bool,
 ) -> HFTokenizer:
     """A `tokenizers` BPE that tokenizes like llama.cpp's SPM tokenizer over this vocab."""
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -59,14 +67,22 @@ def _build_spm_bpe(
     hf = HFTokenizer(
         BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     )
-    # llama.cpp's SPM path only escapes spaces: no NFKC, no prefix space, no word splitting.
-    hf.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    # llama.cpp's SPM path (llama_vocab::impl::tokenize) only escapes spaces, after prepending
+    # one to every text fragment when add_space_prefix is set: no NFKC, no word splitting. Every
+    # fragment is either the first or follows a special token, which is when llama.cpp prepends;
+    # `tokenizers` normalizes each fragment between added tokens separately, so Prepend matches.
+    escape = normalizers.Replace(" ", SPACE_MARK)
+    hf.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPACE_MARK), escape]) if space_prefix else escape
+    )
     hf.decoder = decoders.Sequence(
         [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    # llama.cpp cuts user-defined tokens out of the raw text before SPM even without special
-    # parsing (this is how "  " becomes one space-run token), so they are added tokens too.
-    return with_added_tokens_and_bos(hf, tokens, types, {TOKEN_TYPE_CONTROL}, bos_id)
+    # llama.cpp cuts control and unknown tokens (``<unk>``) out of the text only with special
+    # parsing, user-defined ones always (this is how "  " becomes one space-run token).
+    return with_added_tokens_and_bos(
+        hf, tokens, types, {TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN}, bos_id
+    )
 
 
 def _score_ranked_merges(

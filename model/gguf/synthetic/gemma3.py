@@ -18,7 +18,7 @@ from ...tokenizer.vocab import (
 )
 from .common import RandomInit, cached_model, finish
 
-GEMMA3_TINY_NAME = "prefillq tiny gemma3"
+GEMMA3_TINY_NAME = "prefillq tiny gemma3 v2"
 
 # A byte-fallback SentencePiece vocabulary: 4 control tokens, 256 byte tokens, then text.
 _CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -52,6 +52,7 @@ def _add_tokenizer(writer: GGUFWriter) -> int:
     writer.add_unk_token_id(3)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)  # as Gemma 3's GGUF: llama.cpp's default is on
     return len(tokens)
 
 
@@ -119,5 +120,9 @@ def write_tiny_gemma3(
 
 
 def tiny_gemma3_path() -> tuple[Path, str]:
-    """The tiny Gemma 3 GGUF (seed 0) and its sha256, written once (see `cached_model`)."""
+    """The tiny Gemma 3 GGUF (seed 0) and its sha256, written once (see `cached_model`).
+
+    A cached file written by an older `write_tiny_gemma3` (another ``general.name``) is
+    rewritten.
+    """
     return cached_model("gemma3-tiny-seed0.gguf", write_tiny_gemma3, GEMMA3_TINY_NAME)
