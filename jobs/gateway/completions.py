@@ -24,6 +24,7 @@ and ``n``, ``best_of`` above 1, ``stream``, ``suffix`` and ``logit_bias`` are re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from .body import documented, parsed
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_response, failed_job_status
 from .liveness import require_live_worker
+
+log = logging.getLogger(__name__)
 
 # Prompts one request may carry; a larger batch is a job for the native API.
 MAX_BATCH = 1024
@@ -214,8 +217,13 @@ def response(job_ids: Sequence[str], req: CompletionRequest, scored: Sequence[Sc
 
 
 async def cancel_all(client, job_ids: Sequence[str]) -> None:
-    """Cancel every job of a batch that is given up on (best effort, concurrently)."""
-    await asyncio.gather(*(client.cancel(j) for j in job_ids), return_exceptions=True)
+    """Cancel every job of a batch that is given up on (best effort, concurrently); a
+    cancel that fails is logged, and its job runs on to its end."""
+    outcomes = await asyncio.gather(*(client.cancel(j) for j in job_ids),
+                                    return_exceptions=True)
+    for job_id, outcome in zip(job_ids, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            log.warning("could not cancel job %s of a request given up on: %r", job_id, outcome)
 
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

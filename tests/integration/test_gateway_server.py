@@ -65,8 +65,13 @@ def test_a_disconnected_scoring_request_cancels_its_job(stack):
                    headers={"authorization": "Bearer k3y"})
     (job,) = set(jobs_in(conn)) - before
     client = PrefillClient.from_url(server.url)
-    wait_for(lambda: client.status(job).state.value == "canceled", 30,
-             "the disconnect did not cancel the job", worker)
+    try:
+        wait_for(lambda: client.status(job).state.value == "canceled", 30,
+                 "the disconnect did not cancel the job", worker)
+    except pytest.fail.Exception:
+        status = client.status(job)
+        pytest.fail(f"the disconnect did not cancel the job: {status.state.value} at "
+                    f"cursor {status.cursor}\n{gateway.log_path.read_text()[-3000:]}")
     assert 0 < client.status(job).cursor < 4000
 
 
