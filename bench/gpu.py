@@ -1,21 +1,24 @@
 """Absolute prefill throughput on a GPU (bf16, random weights), model FLOPs utilisation,
 and the same prefill in mlx-lm and HF transformers, measured in the same run.
 
-    python -m bench.gpu [--quick] [--no-peers] [--no-eager] [--no-micro]
-                        [--deepseek4-layers N] [--out FILE]
-    python -m bench.gpu --check [--out FILE]
+    python -m bench.gpu [--quick] [--models A,B] [--no-peers] [--no-eager] [--no-micro]
+                        [--sdpa-backends A,B] [--deepseek4-layers N] [--out FILE]
+    python -m bench.gpu --check [--checks TEXT] [--out FILE]
 
 One JSON line per measurement on stdout (and in FILE with --out, after a context line).
-Cases: Gemma 3 270M shapes at 8,192 and 32,768 tokens in 2,048- and 8,192-token chunks,
-then DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick
-keeps the first of each. Each case is the fastest of 5 prefills after a warm-up one.
+Cases: each dense model of --models (`MODELS`; default Gemma 3 270M shapes, at 8,192 and
+32,768 tokens in 2,048- and 8,192-token chunks; ``llama3-8b`` and ``qwen3-4b``, Llama 3 8B
+and Qwen3 4B shapes, at 8,192 and 32,768 tokens in 2,048-token chunks), then
+DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick keeps the
+first of each. Each case is the fastest of 5 prefills after a warm-up one.
 
 Peers (`bench.gpu_peers`; --no-peers skips them, and one not importable records a
 ``peer_skipped`` line), each in a fresh process of its own, run first, before this process
-uses the GPU: mlx-lm's ``gemma3_text`` at each Gemma case with the same chunks (under MLX's
-own CUDA graph knobs; prefillq's are set on importing `model`), HF transformers'
-``Gemma3ForCausalLM`` in one pass over each prompt length without a KV cache (``sdpa``
-under each SDPA backend, ``flex_attention``, ``eager``), all final-position logits only;
+uses the GPU: mlx-lm's own model of the family (``gemma3_text``, ``llama``, ``qwen3``) at
+each case with the same chunks (under MLX's own CUDA graph knobs; prefillq's are set on
+importing `model`), HF transformers' causal LM of the family in one pass over each prompt
+length without a KV cache (``sdpa`` under each of --sdpa-backends, ``flex_attention``,
+``eager``), all final-position logits only;
 and, unless --no-micro, torch SDPA alone at `bench.gpu_attention.MICRO` under each
 backend. prefillq's records carry ``over_mlx_lm`` (same prompt and chunk),
 ``over_hf_flex`` and ``over_hf_sdpa`` (HF sdpa's best backend; same prompt). Then the
@@ -43,11 +46,14 @@ import argparse
 import datetime
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from model.archs import gemma3
+from model.archs import gemma3, llama
+from model.gguf.synthetic.llama import Llama3Scaling, llama3_rope_factors
 from model.kernels.flash_attention import ENV as FUSED_ENV
 from model.kernels.flash_attention import available as fused_available
 from model.prefill import start_prefill
@@ -55,6 +61,7 @@ from model.prefill import start_prefill
 from . import gpu_deepseek4, gpu_peers
 from .common import Recorder, git_commit, log, refuse_existing
 from .gpu_attention import MICRO, micro
+from .gpu_peers import DEFAULT_BACKEND, SDPA_BACKENDS
 
 # Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
 # chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
@@ -63,6 +70,7 @@ REPEATS = 5
 # The practical bf16 ceiling PyTorch reached on an H200 (torch.matmul, 8192^3, bf16),
 # measured by the team before this benchmark existed; MLX's own is measured each run.
 TORCH_BF16_CEILING_TFLOPS = 790.0
+SDPA_CHOICES = (DEFAULT_BACKEND, *SDPA_BACKENDS)
 
 GEMMA3_270M = gemma3.ModelArgs(
     hidden_size=640, num_hidden_layers=18, intermediate_size=2048, num_attention_heads=4,
@@ -72,6 +80,86 @@ GEMMA3_270M = gemma3.ModelArgs(
 GEMMA3_LABEL = "gemma3-270m shapes"
 # (prompt tokens, chunk tokens); --quick keeps the first
 GEMMA3_CASES = ((8192, 2048), (8192, 8192), (32_768, 2048), (32_768, 8192))
+LLAMA_CASES = ((8192, 2048), (32_768, 2048))
+
+# Meta-Llama-3-8B's config.json (and 3.1's rope_scaling), as llama.cpp converts it: the
+# llama architecture rotates adjacent pairs, Llama 3's scaling becomes rope_freqs divisors.
+# The context is the longest case's: it sizes the KV cache, not the RoPE.
+LLAMA3_SCALING = Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_context=8192)
+LLAMA3_8B = llama.ModelArgs(
+    architecture="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14_336,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128_256,
+    rms_norm_eps=1e-5, rope_theta=500_000.0, context_length=32_768, rope_traditional=True,
+    rope_freqs=True, tie_word_embeddings=False, sliding_layers=(False,) * 32)
+# Qwen3-4B's config.json: q/k RMSNorm per head, halves rotated, the head tied.
+QWEN3_4B = llama.ModelArgs(
+    architecture="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, context_length=32_768, rope_traditional=False,
+    qk_norm=True, tie_word_embeddings=True, sliding_layers=(False,) * 36)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A model `python -m bench.gpu` measures (``--models NAME``): its shapes, its records'
+    ``model`` label, its ``(n_tokens, chunk_tokens)`` cases, and Llama 3's RoPE scaling
+    where it has it (prefillq gets it as ``rope_freqs`` divisors, the peers in HF's form)."""
+
+    name: str
+    label: str
+    args: gemma3.ModelArgs | llama.ModelArgs
+    cases: tuple[tuple[int, int], ...]
+    scaling: Llama3Scaling | None = None
+
+    @property
+    def family(self) -> str:
+        """``gemma3``, ``llama`` or ``qwen3``: which module every side builds."""
+        return getattr(self.args, "architecture", "gemma3")
+
+    def rope_scaling(self) -> dict | None:
+        """`scaling` as HF's ``rope_scaling`` (type llama3), or None."""
+        s = self.scaling
+        return None if s is None else {
+            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_context}
+
+    def shapes(self) -> dict:
+        """The shapes the peers' processes take (`bench.gpu_peers.shapes_of`)."""
+        return gpu_peers.shapes_of(self.args, self.label, rope_scaling=self.rope_scaling())
+
+    def build(self, dtype=mx.bfloat16, n_layers: int | None = None):
+        """prefillq's model at these shapes (the first `n_layers` layers, default all),
+        random weights in `dtype`, evaluated."""
+        args = self.args
+        if n_layers is not None:
+            args = _first_layers(args, n_layers)
+        if self.family == "gemma3":
+            model = gemma3.Model(args)
+        else:
+            factors = (None if self.scaling is None else
+                       llama3_rope_factors(args.rope_theta, args.head_dim, self.scaling))
+            model = llama.Model(args, factors)
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+        return model
+
+
+def _first_layers(args, n_layers: int):
+    from dataclasses import replace
+
+    if isinstance(args, llama.ModelArgs):
+        return replace(args, num_hidden_layers=n_layers,
+                       sliding_layers=args.sliding_layers[:n_layers])
+    return replace(args, num_hidden_layers=n_layers)
+
+
+MODELS = {m.name: m for m in (
+    GpuModel("gemma3-270m", GEMMA3_LABEL, GEMMA3_270M, GEMMA3_CASES),
+    GpuModel("llama3-8b", "llama-3-8b shapes", LLAMA3_8B, LLAMA_CASES, LLAMA3_SCALING),
+    GpuModel("qwen3-4b", "qwen3-4b shapes", QWEN3_4B, LLAMA_CASES),
+)}
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
@@ -86,16 +174,24 @@ def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e12
 
 
-def gemma3_flops(args: gemma3.ModelArgs, n: int) -> float:
+def _window(args, layer: int) -> int | None:
+    if isinstance(args, llama.ModelArgs):
+        return args.window(layer)
+    return args.sliding_window if args.is_sliding(layer) else None
+
+
+def decoder_flops(args: gemma3.ModelArgs | llama.ModelArgs, n: int) -> float:
     """Useful FLOPs of a prefill of `n` tokens: 2 x linear params per token, plus QK and PV
-    over the keys each query may see (the window in sliding layers), plus the head once."""
+    over the keys each query may see (the window in sliding layers), plus the head once.
+    Norms, RoPE and biases (under 0.1%) are left out."""
     h, hd, nh, kv = args.hidden_size, args.head_dim, args.num_attention_heads, \
         args.num_key_value_heads
     linear = 2 * h * nh * hd + 2 * h * kv * hd + 3 * h * args.intermediate_size
     total = 2 * linear * args.num_hidden_layers * n
     for layer in range(args.num_hidden_layers):
-        if args.is_sliding(layer):
-            seen = sum(min(p + 1, args.sliding_window) for p in range(n))
+        window = _window(args, layer)
+        if window:
+            seen = sum(min(p + 1, window) for p in range(n))
         else:
             seen = n * (n + 1) // 2
         total += 2 * 2 * nh * hd * seen
@@ -103,10 +199,8 @@ def gemma3_flops(args: gemma3.ModelArgs, n: int) -> float:
 
 
 def gemma3_model(dtype=mx.bfloat16) -> gemma3.Model:
-    model = gemma3.Model(GEMMA3_270M)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
+    """prefillq's Gemma 3 at the 270M shapes, random weights in `dtype`."""
+    return MODELS["gemma3-270m"].build(dtype)
 
 
 def one_prefill_seconds(model, n: int, chunk: int | None) -> float:
@@ -178,22 +272,37 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
         mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
 
 
-def gemma3_cases(rec: Recorder, ceiling: float, cases, peers: list[dict]) -> None:
-    """prefillq at each ``(n_tokens, chunk_tokens)`` of `cases`, with its MFU against
-    `ceiling` (TFLOP/s) and its ratios over the `peers`' records (`gpu_peers.ratios`)."""
-    model = gemma3_model()
+def model_cases(rec: Recorder, ceiling: float, spec: GpuModel, cases,
+                peers: list[dict]) -> None:
+    """prefillq at each ``(n_tokens, chunk_tokens)`` of `cases` at `spec`'s shapes, with
+    its MFU against `ceiling` (TFLOP/s) and its ratios over the `peers`' records
+    (`gpu_peers.ratios`)."""
+    log(f"{spec.label}: building (random weights, bf16)")
+    model = spec.build()
     for n, chunk in cases:
-        log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
+        log(f"{spec.label}, {n} tokens in {chunk}-token chunks")
         seconds = prefill_seconds(model, n, chunk, repeats=REPEATS)
-        flops = gemma3_flops(GEMMA3_270M, n)
+        flops = decoder_flops(spec.args, n)
         rec("gpu_prefill_tok_s", n / seconds, "tok/s", impl="prefillq",
-            model=GEMMA3_LABEL, dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
+            model=spec.label, dtype="bfloat16", n_tokens=n, chunk_tokens=chunk,
             tflops=round(flops / seconds / 1e12, 2),
             mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
             mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4),
-            **gpu_peers.ratios(n / seconds, n, chunk, peers))
+            **gpu_peers.ratios(n / seconds, n, chunk, peers, model=spec.label,
+                               family=spec.family))
     del model
     mx.clear_cache()
+
+
+def _names(choices) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [t for t in text.split(",") if t]
+        unknown = [t for t in names if t not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"{','.join(unknown) or 'nothing'} is not among {', '.join(choices)}")
+        return names
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -210,6 +319,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-micro", action="store_true",
                    help="skip the attention micro-benchmarks (bench.gpu_attention.micro) "
                         "and torch SDPA's processes")
+    p.add_argument("--models", type=_names(MODELS), default=["gemma3-270m"], metavar="A,B",
+                   help=f"the dense models to measure, of {', '.join(MODELS)} "
+                        "(default %(default)s)")
+    p.add_argument("--sdpa-backends", type=_names(SDPA_CHOICES), default=list(SDPA_CHOICES),
+                   metavar="A,B", help="the SDPA backends HF sdpa runs under, one process "
+                   f"each, of {', '.join(SDPA_CHOICES)} (default all)")
+    p.add_argument("--checks", metavar="TEXT",
+                   help="with --check: only the checks whose name holds TEXT")
     p.add_argument("--deepseek4-layers", type=int, default=4, metavar="N",
                    help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
     p.add_argument("--out", type=Path, metavar="FILE",
@@ -235,20 +352,24 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(True, context, args.out, tags={"pid": os.getpid(), "process": p.prog})
     log(f"device {mx.default_device()}, mlx {mx.__version__}")
     if args.check:
-        from .gpu_check import run_checks  # it imports this module
+        from .gpu_check import CHECKS, run_checks  # it imports this module
 
-        ok = run_checks(rec)
+        ok = run_checks(rec, [c for c in CHECKS if (args.checks or "") in c.__name__])
         log(f"gpu checks: {'all passed' if ok else 'FAILED'}")
         return 0 if ok else 1
-    cases = GEMMA3_CASES[:1] if args.quick else GEMMA3_CASES
+    specs = [MODELS[name] for name in args.models]
+    cases = {s.name: s.cases[:1] if args.quick else s.cases for s in specs}
     micro_runs = not args.no_micro and fused_available()
-    children = [] if args.no_peers else gpu_peers.plan(
-        gpu_peers.shapes_of(GEMMA3_270M, GEMMA3_LABEL), cases, REPEATS, eager=not args.no_eager)
+    children = [] if args.no_peers else [
+        child for s in specs for child in gpu_peers.plan(
+            s.shapes(), cases[s.name], REPEATS, eager=not args.no_eager,
+            backends=args.sdpa_backends)]
     peers = gpu_peers.run_all(
         rec, children + (gpu_peers.attention_plan(MICRO) if micro_runs else []))
     ceiling = matmul_tflops()
     rec("bf16_matmul", ceiling, "TFLOP/s", n=8192, device=str(mx.default_device()))
-    gemma3_cases(rec, ceiling, cases, peers)
+    for spec in specs:
+        model_cases(rec, ceiling, spec, cases[spec.name], peers)
     if micro_runs:
         micro(rec, peers)
         gpu_deepseek4.micro(rec)

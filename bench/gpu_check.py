@@ -17,7 +17,7 @@ from model.prefill import start_prefill
 
 from . import gpu_deepseek4
 from .common import Recorder, log
-from .gpu import gemma3_model
+from .gpu import MODELS, gemma3_model
 from .gpu_attention import check as kernel_check
 
 # Chunked vs one pass in bf16, as max |diff| / max |logit|. Both sides round every
@@ -74,8 +74,8 @@ def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
     the same final logits within `CHUNKED_TOLERANCE`, and the same top-1 token.
 
     Args:
-        model: a Gemma 3 `model.archs.gemma3.Model` (default `bench.gpu.gemma3_model()`:
-            270M shapes, bf16, random weights from seed `SEED`).
+        model: a `model.archs.gemma3.Model` or `model.archs.llama.Model` (default
+            `bench.gpu.gemma3_model()`: 270M shapes, bf16, random weights from seed `SEED`).
     """
     mx.random.seed(SEED)
     model = model if model is not None else gemma3_model()
@@ -90,8 +90,28 @@ def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
     return ok
 
 
+# Layers of the Llama-family checks: enough for rounding to carry through the residual
+# stream as it does in the full models, few enough to build in seconds.
+LLAMA_CHECK_LAYERS = 8
+
+
+def llama3_8b_chunked_equals_one_pass(rec: Recorder) -> bool:
+    """`chunked_equals_one_pass` on the first `LLAMA_CHECK_LAYERS` layers at Llama 3 8B
+    shapes (bf16, MLX's SDPA, Llama 3 RoPE scaling)."""
+    mx.random.seed(SEED)
+    return chunked_equals_one_pass(rec, MODELS["llama3-8b"].build(n_layers=LLAMA_CHECK_LAYERS))
+
+
+def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
+    """`chunked_equals_one_pass` on the first `LLAMA_CHECK_LAYERS` layers at Qwen3 4B
+    shapes (bf16, q/k norms, tied head)."""
+    mx.random.seed(SEED)
+    return chunked_equals_one_pass(rec, MODELS["qwen3-4b"].build(n_layers=LLAMA_CHECK_LAYERS))
+
+
 CHECKS: list[Callable[[Recorder], bool]] = [
     fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass,
+    llama3_8b_chunked_equals_one_pass, qwen3_4b_chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,
     gpu_deepseek4.check_padded_experts]
 

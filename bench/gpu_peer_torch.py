@@ -10,7 +10,8 @@ tokens in bf16, two ways: ``enable_gqa`` on the KV heads as they are, and the KV
 expanded to every query head (``expanded kv``); ``attention_tflops`` records of the causal
 work (`bench.common.causal_attention_flops`), fastest of `--repeats` after a warm-up.
 
-``hf``: HF transformers' ``Gemma3ForCausalLM`` at `--shapes` (`bench.gpu_peers.shapes_of`),
+``hf``: HF transformers' ``Gemma3ForCausalLM``, ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``
+(the shapes' ``family``) at `--shapes` (`bench.gpu_peers.shapes_of`),
 random bf16 weights, one pass over N random tokens with no KV cache kept
 (``use_cache=False``) and the head on the last position only (``logits_to_keep=1``);
 ``gpu_prefill_tok_s`` records, fastest of `--repeats` after a warm-up (which also compiles
@@ -149,8 +150,33 @@ def _release(device: str) -> None:
 
 
 def hf_config(shapes: dict):
-    """``transformers.Gemma3TextConfig`` at `shapes` (`bench.gpu_peers.shapes_of`): its
-    ``sliding`` layers windowed, RoPE bases as prefillq's, the head tied."""
+    """HF transformers' config at `shapes` (`bench.gpu_peers.shapes_of`), by ``family``:
+    ``Gemma3TextConfig`` (its ``sliding`` layers windowed, RoPE bases as prefillq's, the
+    head tied), ``LlamaConfig`` (``rope_scaling`` as the shapes give it) or
+    ``Qwen3Config``. Raises KeyError for another family."""
+    family = shapes.get("family", "gemma3")
+    if family == "gemma3":
+        return _gemma3_config(shapes)
+    from transformers import LlamaConfig, Qwen3Config
+
+    a = shapes
+    rope = {"rope_type": "default", **(a.get("rope_scaling") or {}),
+            "rope_theta": a["rope_theta"]}
+    common = dict(
+        vocab_size=a["vocab_size"], hidden_size=a["hidden_size"],
+        intermediate_size=a["intermediate_size"], num_hidden_layers=a["num_hidden_layers"],
+        num_attention_heads=a["num_attention_heads"],
+        num_key_value_heads=a["num_key_value_heads"], head_dim=a["head_dim"],
+        rms_norm_eps=a["rms_norm_eps"], max_position_embeddings=a["context_length"],
+        tie_word_embeddings=a["tie_word_embeddings"], rope_parameters=rope)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    raise KeyError(f"no HF transformers model for family {family!r}")
+
+
+def _gemma3_config(shapes: dict):
     from transformers import Gemma3TextConfig
 
     a = shapes
@@ -171,7 +197,7 @@ def hf_config(shapes: dict):
 
 
 def hf_model(attn_implementation: str, shapes: dict, device: str = "cuda", dtype=None):
-    """``Gemma3ForCausalLM`` from `hf_config(shapes)`, random init, on `device`, in `dtype`
+    """The causal LM of `hf_config(shapes)`, random init, on `device`, in `dtype`
     (default ``torch.bfloat16``), in eval mode. Raises ImportError without torch or
     transformers."""
     import torch
@@ -232,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--head-dim", type=int, default=256)
     a.add_argument("--repeats", type=int, default=5)
     a.add_argument("queries", type=int, nargs="+")
-    h = sub.add_parser("hf", help="HF transformers Gemma 3, one pass")
+    h = sub.add_parser("hf", help="HF transformers' model at --shapes, one pass")
     h.add_argument("--attn", choices=sorted(HF_IMPLS), required=True)
     h.add_argument("--shapes", type=parse_shapes, required=True)
     h.add_argument("--repeats", type=int, default=3)

@@ -41,6 +41,8 @@ from typing import NamedTuple
 
 from .common import Recorder, log
 
+# mlx-lm's module for each family a `shapes_of` names; its records' impl is "mlx-lm MODULE"
+MLX_LM_MODULES = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 MLX_LM = "mlx-lm gemma3_text"
 HF_SDPA, HF_FLEX, HF_EAGER = ("transformers sdpa", "transformers flex_attention",
                               "transformers eager")
@@ -123,27 +125,40 @@ class Child(NamedTuple):
     env: Mapping[str, str] = {}
 
 
-def shapes_of(args, label: str) -> dict:
-    """A `model.archs.gemma3.ModelArgs` as a child takes it: its fields, ``sliding`` (each
-    layer's `is_sliding`, so no child imports `model`, which imports MLX) and ``label``
-    (the records' ``model``)."""
-    return {**dataclasses.asdict(args), "label": label,
-            "sliding": [args.is_sliding(i) for i in range(args.num_hidden_layers)]}
+def mlx_lm_impl(family: str) -> str:
+    """The impl of mlx-lm's records for `family` (a key of `MLX_LM_MODULES`)."""
+    return f"mlx-lm {MLX_LM_MODULES[family]}"
+
+
+def shapes_of(args, label: str, **extra) -> dict:
+    """A `model.archs.gemma3.ModelArgs` or `model.archs.llama.ModelArgs` as a child takes
+    it: its fields, ``family`` (``gemma3``, or the Llama args' ``architecture``),
+    ``sliding`` (whether each layer has a window, so no child imports `model`, which imports
+    MLX), ``label`` (the records' ``model``) and `extra` (e.g. HF's ``rope_scaling``)."""
+    family = getattr(args, "architecture", "gemma3")
+    if family == "gemma3":
+        sliding = [args.is_sliding(i) for i in range(args.num_hidden_layers)]
+    else:
+        sliding = [args.window(i) is not None for i in range(args.num_hidden_layers)]
+    return {**dataclasses.asdict(args), "family": family, "label": label, "sliding": sliding,
+            **extra}
 
 
 def plan(shapes: dict, cases: Iterable[tuple[int, int]], repeats: int,
-         hf_repeats: int = HF_REPEATS, eager: bool = True) -> list[Child]:
-    """The children for prefillq's Gemma `cases` (``(n_tokens, chunk_tokens)``, at
-    `shapes`): mlx-lm at each case; HF once per prompt length, sdpa under each backend,
+         hf_repeats: int = HF_REPEATS, eager: bool = True,
+         backends: Iterable[str] = (DEFAULT_BACKEND, *SDPA_BACKENDS)) -> list[Child]:
+    """The children for prefillq's `cases` (``(n_tokens, chunk_tokens)``, at `shapes`):
+    mlx-lm at each case; HF once per prompt length, sdpa under each of `backends`,
     flex_attention, and eager unless not `eager`."""
     cases = list(cases)
     shape_arg = ["--shapes", json.dumps(shapes)]
     lengths = [str(n) for n in sorted({n for n, _ in cases})]
     hf = ["hf", *shape_arg, "--repeats", str(hf_repeats)]
-    children = [Child(process_label(MLX_LM), "bench.gpu_peer_mlx_lm",
+    children = [Child(process_label(mlx_lm_impl(shapes.get("family", "gemma3"))),
+                      "bench.gpu_peer_mlx_lm",
                       [*shape_arg, "--repeats", str(repeats),
                        *[f"{n}:{chunk}" for n, chunk in cases]], MLX_GRAPH_DEFAULTS)]
-    for backend in (DEFAULT_BACKEND, *SDPA_BACKENDS):
+    for backend in backends:
         children.append(Child(process_label(HF_SDPA, backend), "bench.gpu_peer_torch",
                               [*hf, "--attn", "sdpa", "--backend", backend, *lengths]))
     children.append(Child(process_label(HF_FLEX), "bench.gpu_peer_torch",
@@ -222,20 +237,22 @@ def _candidate(r: dict) -> str:
 
 
 def record_best(rec: Recorder, records: list[dict]) -> list[dict]:
-    """One ``"<impl> best"`` record for each size of torch SDPA alone and of HF sdpa: the
-    fastest backend's figure, its ``backend`` (and ``layout``; for ``default``, the
-    ``picked`` backend where torch said), the ``from_pid`` that measured it, and every
+    """One ``"<impl> best"`` record for each model and size of torch SDPA alone and of HF
+    sdpa: the fastest backend's figure, its ``backend`` (and ``layout``; for ``default``,
+    the ``picked`` backend where torch said), the ``from_pid`` that measured it, and every
     backend's figure as ``candidates``."""
     added = []
     for metric, impl, size in (("attention_tflops", TORCH_SDPA, "queries"),
                                ("gpu_prefill_tok_s", HF_SDPA, "n_tokens")):
-        same = [r for r in records if r["metric"] == metric and r.get("impl") == impl]
-        for n, top in sorted(best(same, metric, impl, size).items()):
-            at = [r for r in same if r[size] == n]
-            added.append(rec(
-                metric, top["value"], top["unit"], impl=impl + BEST, backend=top["backend"],
-                **{k: top[k] for k in SHAPE_FIELDS if k in top}, from_pid=top["pid"],
-                candidates={_candidate(r): r["value"] for r in at}))
+        of_impl = [r for r in records if r["metric"] == metric and r.get("impl") == impl]
+        for model in dict.fromkeys(r.get("model") for r in of_impl):  # in measured order
+            same = [r for r in of_impl if r.get("model") == model]
+            for n, top in sorted(best(same, metric, impl, size).items()):
+                at = [r for r in same if r[size] == n]
+                added.append(rec(
+                    metric, top["value"], top["unit"], impl=impl + BEST,
+                    backend=top["backend"], **{k: top[k] for k in SHAPE_FIELDS if k in top},
+                    from_pid=top["pid"], candidates={_candidate(r): r["value"] for r in at}))
     return added
 
 
@@ -255,16 +272,19 @@ def _find(records: Iterable[dict], metric: str, impl: str, **fields) -> dict | N
     return None
 
 
-def ratios(tok_s: float, n: int, chunk: int, records: Iterable[dict]) -> dict:
+def ratios(tok_s: float, n: int, chunk: int, records: Iterable[dict],
+           model: str | None = None, family: str = "gemma3") -> dict:
     """prefillq's `tok_s` at `n` tokens in `chunk`-token chunks over each peer measured:
-    ``over_mlx_lm`` (same prompt and chunk), ``over_hf_flex`` and ``over_hf_sdpa`` (the
-    best backend's, named in ``hf_sdpa_backend``; one pass of the same prompt). A peer not
-    in `records` is left out."""
+    ``over_mlx_lm`` (mlx-lm's `family` module, same prompt and chunk), ``over_hf_flex`` and
+    ``over_hf_sdpa`` (the best backend's, named in ``hf_sdpa_backend``; one pass of the
+    same prompt), each of the records' ``model`` `model` where given. A peer not in
+    `records` is left out."""
     records = list(records)
+    same = {} if model is None else {"model": model}
     out: dict = {}
-    for name, impl, fields in (("over_mlx_lm", MLX_LM, {"chunk_tokens": chunk}),
+    for name, impl, fields in (("over_mlx_lm", mlx_lm_impl(family), {"chunk_tokens": chunk}),
                                ("over_hf_flex", HF_FLEX, {}), ("over_hf_sdpa", HF_SDPA + BEST, {})):
-        peer = _find(records, "gpu_prefill_tok_s", impl, n_tokens=n, **fields)
+        peer = _find(records, "gpu_prefill_tok_s", impl, n_tokens=n, **fields, **same)
         if peer is not None:
             out[name] = round(tok_s / peer["value"], 4)
             if impl == HF_SDPA + BEST:

@@ -1,4 +1,4 @@
-"""In-process prefill: timing helpers, mlx-lm's Gemma 3 on our weights, the cost curves."""
+"""In-process prefill: timing helpers, mlx-lm's model on our weights, the cost curves."""
 
 from __future__ import annotations
 
@@ -44,34 +44,60 @@ HF_NAMES = {
 }
 
 
-def mlx_lm_gemma3(loaded: LoadedModel):
-    """mlx-lm's `gemma3_text.Model` sharing our dequantized arrays (its norms add the +1
-    that llama.cpp's GGUF already folded in, so we subtract it)."""
-    from mlx_lm.models import gemma3_text
+# prefillq's Llama-family module names (the GGUF's) -> HF's
+LLAMA_HF_NAMES = {
+    "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
+    "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
+    "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
+    "mlp.ffn_down": "mlp.down_proj",
+}
 
-    a = loaded.model.args
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=a.hidden_size,
-        num_hidden_layers=a.num_hidden_layers, intermediate_size=a.intermediate_size,
-        num_attention_heads=a.num_attention_heads, head_dim=a.head_dim,
-        rms_norm_eps=a.rms_norm_eps, vocab_size=a.vocab_size,
-        num_key_value_heads=a.num_key_value_heads, rope_theta=a.rope_theta,
-        rope_local_base_freq=a.rope_local_base_freq, query_pre_attn_scalar=a.head_dim,
-        sliding_window=a.sliding_window, sliding_window_pattern=a.sliding_window_pattern,
-        max_position_embeddings=a.context_length,
-    )
-    model = gemma3_text.Model(args)
+
+def their_name(family: str, name: str) -> str:
+    """HF's (and mlx-lm's) name for prefillq's parameter `name` of a `family` model."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, rest = name.split(".", 2)
+    module, _, param = rest.rpartition(".")
+    names = HF_NAMES if family == "gemma3" else LLAMA_HF_NAMES
+    return f"model.layers.{layer}.{names[module]}.{param}"
+
+
+def mlx_lm_twin(loaded: LoadedModel, rope_scaling: dict | None = None):
+    """mlx-lm's own model of `loaded`'s family (``gemma3_text``, ``llama``, ``qwen2``,
+    ``qwen3``) sharing our dequantized arrays: the same function, mlx-lm's code. Gemma 3's
+    norms add the +1 that llama.cpp's GGUF already folded in, so we subtract it; a
+    ``llama`` GGUF's q/k rows are in the interleaved order llama.cpp's converter wrote,
+    which mlx-lm rotates with ``rope_traditional``.
+
+    Args:
+        rope_scaling: HF's ``rope_scaling`` (e.g. Llama 3's) for mlx-lm to derive its own
+            frequencies from: a GGUF keeps only the divisors (``rope_freqs``).
+
+    Raises:
+        ValueError: `loaded` has RoPE scaling and no `rope_scaling` is given.
+        KeyError: mlx-lm has no model for the family.
+    """
+    from .gpu_peer_mlx_lm import mlx_lm_args, mlx_lm_module
+    from .gpu_peers import shapes_of
+
+    args = loaded.model.args
+    family = getattr(args, "architecture", "gemma3")
+    if rope_scaling is None and (getattr(args, "rope_freqs", False)
+                                 or getattr(args, "rope_scale", 1.0) != 1.0):
+        raise ValueError(f"{loaded.name} scales its RoPE: give mlx-lm its rope_scaling")
+    their_args = mlx_lm_args(shapes_of(args, loaded.name, rope_scaling=rope_scaling))
+    model = mlx_lm_module(their_args.model_type).Model(their_args)
     weights = {}
     for name, value in nn.utils.tree_flatten(loaded.model.parameters()):
-        if name == "token_embd.weight":
-            weights["model.embed_tokens.weight"] = value
-        elif name == "output_norm.weight":
-            weights["model.norm.weight"] = value - 1
-        else:
-            _, layer, rest = name.split(".", 2)
-            module, _, param = rest.rpartition(".")
-            target = f"model.layers.{layer}.{HF_NAMES[module]}.{param}"
-            weights[target] = value - 1 if "norm" in module else value
+        shifted = family == "gemma3" and "norm" in name
+        weights[their_name(family, name)] = value - 1 if shifted else value
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model

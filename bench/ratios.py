@@ -20,7 +20,7 @@ from model.planner import DEFAULT_CHUNK_TOKENS
 from model.registry import LoadedModel
 
 from .common import Recorder, interleaved, log, prompt_ids, timed
-from .prefill import mlx_lm_gemma3, prefill_seconds
+from .prefill import mlx_lm_twin, prefill_seconds
 from .queue import queued_prefill
 
 
@@ -40,7 +40,7 @@ def side_by_side(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> No
     if list(chunks) != steps:
         raise ValueError(f"{n} tokens: default plan {chunks} is not mlx-lm's 2,048-token "
                          "steps; pick a multiple of 2,048")
-    theirs_model = mlx_lm_gemma3(loaded)
+    theirs_model = mlx_lm_twin(loaded)
 
     def theirs() -> None:
         for _ in generate_step(mx.array(ids), theirs_model, max_tokens=1,

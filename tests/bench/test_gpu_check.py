@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_checks_are_functions_of_a_recorder():
     assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
                                 gpu_check.chunked_equals_one_pass,
+                                gpu_check.llama3_8b_chunked_equals_one_pass,
+                                gpu_check.qwen3_4b_chunked_equals_one_pass,
                                 gpu_deepseek4.check_sparse_kernel,
                                 gpu_deepseek4.check_gathered_layers,
                                 gpu_deepseek4.check_padded_experts]
