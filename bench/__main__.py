@@ -1,8 +1,11 @@
-"""python -m bench [--quick] [--json] [--model NAME] [--plots DIR] [--out FILE]
+"""python -m bench [--quick] [--json] [--plots DIR] [--out FILE] [--llama-python PY]
+python -m bench --model smollm2-135m --ratios-only [--llama-python PY] [--out FILE]
 
 Prefill benchmarks for prefillq on this machine: side-by-side ratios (chunked over one
 pass, our forward over mlx-lm's, the queue over in-process, ours over llama.cpp), a short
-job's wait under a long prefill, RSS growth over the planned bytes, and tokens/s curves.
+job's wait under a long prefill, RSS growth over the planned bytes, and tokens/s curves,
+on Gemma 3 270M; the full suite then records the ratios of each of `FAMILY_MODELS` (the
+Llama family's SmolLM2), which --ratios-only records alone for --model.
 The quick suite takes 5-6 minutes on 2 cores; the full suite (no --quick) ~25 minutes plus
 llama.cpp with --llama-python. Bounded metrics carry "holds"; stderr ends with one
 holds/MISSED line per bound. See the README's Benchmarks section.
@@ -18,9 +21,13 @@ import platform
 import time
 from pathlib import Path
 
-from .common import Recorder, git_commit, load_or_exit, log, refuse_existing
+from .common import REFERENCES, Recorder, git_commit, load_or_exit, log, refuse_existing
 
 QUICK_TOKENS = 4096
+DEFAULT_MODEL = "gemma3-270m"
+# Real models of the other families whose ratios over mlx-lm and llama.cpp the full suite
+# records after the main model's (`family_ratios`).
+FAMILY_MODELS = ("smollm2-135m",)
 
 
 def _cpu_name() -> str:
@@ -53,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="5-6 minutes on 2 cores: a 4K-token prompt, no llama.cpp")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per measurement (default: aligned text lines)")
-    p.add_argument("--model", default="gemma3-270m",
-                   help="registry name (default %(default)s; the mlx-lm and llama.cpp "
-                   "ratios need it)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="registry name (default %(default)s; another real model, e.g. "
+                   "smollm2-135m, with --ratios-only)")
     p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
     p.add_argument("--out", type=Path,
                    help="also write the context and every record, one JSON line each, here")
@@ -66,15 +73,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-python", type=Path,
                    help="the interpreter with llama-cpp-python (`make bench-llama` builds "
                    ".venv-llama); without it the full suite skips over_llama_cpp")
+    p.add_argument("--ratios-only", action="store_true",
+                   help="only the side-by-side ratios and, with --llama-python, over_llama_cpp, "
+                   "for --model")
     p.add_argument("--chunk-curve-tokens", type=int, default=8192,
                    help="prompt length of the chunk-size curve (default %(default)s)")
     return p
+
+
+def family_ratios(rec: Recorder, loaded, n: int, repeats: int, llama_python: Path | None
+                  ) -> None:
+    """`loaded`'s side-by-side ratios (`bench.ratios.side_by_side`: over one pass, over
+    mlx-lm's own model of its family, the queue) and, given `llama_python`, over llama.cpp
+    on the same GGUF and threads; every record names the model."""
+    from . import llama_cpp, ratios
+
+    ratios.side_by_side(rec, loaded, n, repeats)
+    if llama_python:
+        llama_cpp.over_llama_cpp(rec, loaded, n, repeats, llama_python)
+    else:
+        log(f"over_llama_cpp skipped for {loaded.name}: no --llama-python")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
+    if args.model != DEFAULT_MODEL and not args.ratios_only:
+        p.error(f"--model {args.model}: the suite's prompts are {DEFAULT_MODEL}'s token ids; "
+                f"another model runs with --ratios-only ({', '.join(REFERENCES)})")
+    if args.model not in REFERENCES:
+        p.error(f"--model {args.model}: no llama.cpp reference prompt (one of "
+                f"{', '.join(REFERENCES)})")
 
     from model.runtime.blas import ensure_blas
 
@@ -90,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
 
     n = QUICK_TOKENS
     repeats = 2 if args.quick else 3
-    prefill.prefill_seconds(loaded, prefill.prompt_ids(256), None)  # warm up MLX and BLAS
-    if not args.curves_only:
+    # warm up MLX and BLAS
+    prefill.prefill_seconds(loaded, prefill.prompt_ids(256, args.model), None)
+    if args.ratios_only:
+        family_ratios(rec, loaded, n, repeats, args.llama_python)
+    elif not args.curves_only:
         ratios.side_by_side(rec, loaded, n, repeats)
         queue.queue_overhead_per_chunk(rec)
         if not args.quick and args.llama_python:
@@ -103,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         session.session_turn_over_cold(rec, loaded)
         checkpoint.checkpoint_overhead(rec, loaded)
         checkpoint.resume_saving(rec, args.model)
-    if args.curves_only or not args.quick:
+    if not args.quick and not args.curves_only and not args.ratios_only:
+        for name in FAMILY_MODELS:
+            if name != args.model:
+                family_ratios(rec, load_or_exit(p, name), n, repeats, args.llama_python)
+    if (args.curves_only or not args.quick) and not args.ratios_only:
         lengths = [m for m in (1024, 2048, 4096, 8192, 16_384, 32_768) if m <= args.curve_max]
         prefill.curves(rec, loaded, lengths=lengths,
                        chunk_sizes=[128, 256, 512, 1024, 2048, 4096, 8192],

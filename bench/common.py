@@ -13,14 +13,24 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gemma3-270m-llamacpp.json"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+REFERENCE = DATA / "gemma3-270m-llamacpp.json"
+# Each real model's llama.cpp reference, whose longest prompt is tiled into bench prompts,
+# and the BOS id it starts with (None: the model adds none).
+REFERENCES = {"gemma3-270m": (REFERENCE, 2),
+              "smollm2-135m": (DATA / "smollm2-135m-llamacpp.json", None)}
 
 
-def prompt_ids(n: int) -> list[int]:
-    """`n` real Gemma 3 token ids: BOS, then the 6,144-token reference prompt, tiled."""
-    body = json.loads(REFERENCE.read_text())["cases"][-1]["tokens"][1:]
-    reps = -(-(n - 1) // len(body))
-    return [2, *(body * reps)[: n - 1]]
+def prompt_ids(n: int, model: str = "gemma3-270m") -> list[int]:
+    """`n` real token ids of `model` (a key of `REFERENCES`): its BOS if it has one, then
+    the longest prompt of its llama.cpp reference (~6,100 tokens of the same text for
+    each), tiled. Raises KeyError for a model without a reference."""
+    path, bos = REFERENCES[model]
+    body = json.loads(path.read_text())["cases"][-1]["tokens"]
+    head = [] if bos is None else [bos]
+    body = body[len(head):]
+    reps = -(-(n - len(head)) // len(body))
+    return [*head, *(body * reps)[: n - len(head)]]
 
 
 def timed(fn: Callable[[], object], repeats: int = 1) -> tuple[float, object]:

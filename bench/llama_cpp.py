@@ -66,7 +66,7 @@ def over_llama_cpp(rec: Recorder, loaded: LoadedModel, n: int, repeats: int,
     The ratio is taken against the faster llama.cpp setting. Each llama.cpp run is
     interleaved with one of ours; the minimum of each side is kept (`bench.common.timed`).
     """
-    ids = prompt_ids(n)
+    ids = prompt_ids(n, loaded.name)
     threads = len(os.sched_getaffinity(0))
     ours_times, theirs = [], {}
     our_top1 = top1(loaded, ids)
@@ -84,7 +84,8 @@ def over_llama_cpp(rec: Recorder, loaded: LoadedModel, n: int, repeats: int,
     ours = min(ours_times)
     flash = min(theirs, key=lambda k: theirs[k][0])
     seconds, their_top1, info = theirs[flash]
-    rec("over_llama_cpp", seconds / ours, "ratio", n_tokens=n, threads=threads,
+    rec("over_llama_cpp", seconds / ours, "ratio", model=loaded.name, n_tokens=n,
+        threads=threads,
         ours_tok_s=round(n / ours, 1), llama_cpp_tok_s=round(n / seconds, 1),
         llama_cpp_tok_s_flash_off=round(n / theirs[False][0], 1),
         llama_cpp_tok_s_flash_on=round(n / theirs[True][0], 1), llama_cpp_flash_attn=flash,

@@ -34,7 +34,7 @@ def side_by_side(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> No
     """
     from mlx_lm.generate import generate_step
 
-    ids = prompt_ids(n)
+    ids = prompt_ids(n, loaded.name)
     chunks = loaded.start_prefill(ids).plan.chunk_sizes
     steps = [min(DEFAULT_CHUNK_TOKENS, n - i) for i in range(0, n, DEFAULT_CHUNK_TOKENS)]
     if list(chunks) != steps:
@@ -63,7 +63,7 @@ def side_by_side(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> No
             lambda: timed(theirs)[0],
             queued,
             repeats=repeats)
-    per_job = dict(n_tokens=n, chunks=len(chunks), repeats=repeats)
+    per_job = dict(model=loaded.name, n_tokens=n, chunks=len(chunks), repeats=repeats)
     rec("chunked_over_one_pass", one_pass / chunked, "ratio", **per_job,
         chunked_tok_s=round(n / chunked, 1), one_pass_tok_s=round(n / one_pass, 1),
         floor=0.95)

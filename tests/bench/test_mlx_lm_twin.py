@@ -43,3 +43,17 @@ def test_a_scaled_rope_without_its_config_is_refused():
     pytest.importorskip("mlx_lm")
     with pytest.raises(ValueError, match="llama-tiny scales its RoPE"):
         mlx_lm_twin(load_model("llama-tiny"))
+
+
+def test_bench_prompts_are_each_models_own_token_ids():
+    import json
+
+    from bench.common import DATA, prompt_ids
+
+    for model, bos in (("gemma3-270m", [2]), ("smollm2-135m", [])):
+        reference = json.loads((DATA / f"{model}-llamacpp.json").read_text())
+        longest = reference["cases"][-1]["tokens"]
+        ids = prompt_ids(3 * len(longest), model)
+        body = longest[len(bos):]
+        assert ids[:len(bos)] == bos and len(ids) == 3 * len(longest)
+        assert ids[len(bos):len(bos) + 2 * len(body)] == body * 2  # tiled

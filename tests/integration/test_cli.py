@@ -93,6 +93,13 @@ def test_bench_refuses_a_bad_model_and_an_existing_results_file(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unknown model 'nope'" in proc.stderr
+    # the suite's prompts are Gemma's ids: another model only with --ratios-only
+    for extra, says in ((["--model", "smollm2-135m"], "another model runs with --ratios-only"),
+                        (["--model", "llama-tiny", "--ratios-only"],
+                         "no llama.cpp reference prompt")):
+        proc = subprocess.run([sys.executable, "-m", "bench", "--quick", *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr.splitlines()[-1], proc.stderr
 
 
 def test_unreachable_redis_is_a_one_line_error():
