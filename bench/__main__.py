@@ -84,11 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 def family_ratios(rec: Recorder, loaded, n: int, repeats: int, llama_python: Path | None
                   ) -> None:
     """`loaded`'s side-by-side ratios (`bench.ratios.side_by_side`: over one pass, over
-    mlx-lm's own model of its family, the queue) and, given `llama_python`, over llama.cpp
-    on the same GGUF and threads; every record names the model."""
-    from . import llama_cpp, ratios
+    mlx-lm's own model of its family, the queue), the share of its time attention takes
+    (`bench.prefill.attention_share`) and, given `llama_python`, over llama.cpp on the same
+    GGUF and threads; every record names the model."""
+    from . import llama_cpp, prefill, ratios
 
     ratios.side_by_side(rec, loaded, n, repeats)
+    prefill.attention_share(rec, loaded, n // 2)
     if llama_python:
         llama_cpp.over_llama_cpp(rec, loaded, n, repeats, llama_python)
     else:

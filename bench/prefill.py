@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -101,6 +103,35 @@ def mlx_lm_twin(loaded: LoadedModel, rope_scaling: dict | None = None):
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def attention_share(rec: Recorder, loaded: LoadedModel, chunk: int = 2048,
+                    repeats: int = 3) -> None:
+    """Record the share of a ``2 x chunk``-token prefill's time that attention takes,
+    from the two chunks' times alone: both run the same linear work L, and causal attention
+    costs the first chunk A (``chunk^2 / 2`` query-key pairs) and the second 3A (``chunk``
+    more keys each), so ``A = (t2 - t1) / 2`` and the share is ``4A / (t1 + t2)``. Exact
+    for global layers; windowed layers attend less, so for them it is a bound. Each chunk's
+    time is the fastest of `repeats` prefills."""
+    ids = prompt_ids(2 * chunk, loaded.name)
+
+    def chunk_seconds() -> list[float]:
+        prefill = loaded.start_prefill(ids, chunk)
+        out = []
+        while not prefill.done:
+            t0 = time.perf_counter()
+            prefill.step()
+            out.append(time.perf_counter() - t0)
+        mx.clear_cache()
+        return out
+
+    chunk_seconds()  # warm up
+    t1, t2 = (min(ts) for ts in zip(*(chunk_seconds() for _ in range(repeats)), strict=True))
+    attention = (t2 - t1) / 2
+    rec("attention_share", 4 * attention / (t1 + t2), "fraction", model=loaded.name,
+        n_tokens=2 * chunk, chunk_tokens=chunk, first_chunk_s=round(t1, 5),
+        second_chunk_s=round(t2, 5), linear_s_per_chunk=round(t1 - attention, 5),
+        repeats=repeats)
 
 
 def curves(rec: Recorder, loaded: LoadedModel, lengths: list[int], chunk_sizes: list[int],
