@@ -8,7 +8,7 @@ on Gemma 3 270M; the full suite then records the ratios of each of `FAMILY_MODEL
 Llama family's SmolLM2), which --ratios-only records alone for --model.
 The quick suite takes 5-6 minutes on 2 cores; the full suite (no --quick) ~25 minutes plus
 llama.cpp with --llama-python. Bounded metrics carry "holds"; stderr ends with one
-holds/MISSED line per bound. See the README's Benchmarks section.
+holds/MISSED line per bound. See docs/benchmarks.md.
 """
 
 from __future__ import annotations

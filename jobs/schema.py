@@ -1,7 +1,7 @@
 """What clients read: job states, `JobStatus` and `PrefillResult`.
 
 A job is one Redis hash, decoded by `jobs.record.JobRecord`; `JobRecord.status()` gives the
-`JobStatus`. The README's "Job lifecycle" table gives each field's meaning.
+`JobStatus`. docs/architecture.md ("Job lifecycle") gives each field's meaning.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from jobs import (
 MODEL = "gemma3-tiny"
 CONTEXT = 64  # the serving context of `tiny64`, in tokens
 VOCAB = 365  # gemma3-tiny's vocabulary
-# What `submit` may raise for bad input (README "Python client"); all are InvalidRequests.
+# What `submit` may raise for bad input (docs/client.md, "Errors"); all are InvalidRequests.
 SUBMIT_ERRORS = (InvalidRequest, EmptyPrompt, PromptTooLong, PromptTooLarge, TokenOutOfRange,
                  UnknownModel)
-# A failed job's ``error.type`` when its input is at fault (README "Job lifecycle").
+# A failed job's ``error.type`` when its input is at fault (docs/architecture.md, "Job lifecycle").
 JOB_INPUT_ERRORS = {"PromptTooLong", "PromptTooLarge", "EmptyPrompt", "TokenOutOfRange",
                     "InvalidRequest", "ChatTemplateMissing", "ChatTemplateError",
                     "CorruptJob"}
