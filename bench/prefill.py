@@ -34,27 +34,20 @@ def top1(loaded: LoadedModel, ids: list[int]) -> int:
 # -- mlx-lm on the same weights ------------------------------------------------------------
 
 
-# prefillq's Gemma 3 module names (the GGUF's) -> HF's, which mlx-lm follows
-HF_NAMES = {
+# prefillq's module names (the GGUF's) -> HF's, which mlx-lm follows: what every family
+# shares, then Gemma 3's four norms and the Llama family's two
+_SHARED_NAMES = {
     "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
     "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
     "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
-    "mlp.ffn_down": "mlp.down_proj",
+    "mlp.ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
 }
-
-
-# prefillq's Llama-family module names (the GGUF's) -> HF's
-LLAMA_HF_NAMES = {
-    "attn.attn_q": "self_attn.q_proj", "attn.attn_k": "self_attn.k_proj",
-    "attn.attn_v": "self_attn.v_proj", "attn.attn_output": "self_attn.o_proj",
-    "attn.attn_q_norm": "self_attn.q_norm", "attn.attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "mlp.ffn_gate": "mlp.gate_proj", "mlp.ffn_up": "mlp.up_proj",
-    "mlp.ffn_down": "mlp.down_proj",
-}
+HF_NAMES = {**_SHARED_NAMES,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm"}
+LLAMA_HF_NAMES = {**_SHARED_NAMES, "ffn_norm": "post_attention_layernorm"}
 
 
 def their_name(family: str, name: str) -> str:
