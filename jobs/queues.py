@@ -3,12 +3,12 @@
 A job enters through its model's intake queue (``keys.intake_queue``; one queue per priority
 that has ever been used, listed in ``keys.priorities``), or through one worker's own queue
 (``keys.sticky_queue``) when it is routed to that worker. Every RQ job here is the one
-execution of `CHUNK_FUNCTION` that admits a prefillq job (its id the only argument): the
+execution of `ADMIT_FUNCTION` that admits a prefillq job (its id the only argument): the
 worker starts the job, runs its first chunk, and runs the rest in its own loop.
 
 Anyone who can write Redis can put an RQ job on these queues, and RQ would import and call
-whatever function, callback or webhook URL that job names. `ChunkJob`, the job class of
-every queue here and of the worker, runs only `CHUNK_FUNCTION` with one job id (`refusal`
+whatever function, callback or webhook URL that job names. `AdmissionJob`, the job class of
+every queue here and of the worker, runs only `ADMIT_FUNCTION` with one job id (`refusal`
 says why anything else is refused) and never RQ's callbacks or webhooks, which prefillq
 does not use.
 """
@@ -28,31 +28,32 @@ from .defaults import DEFAULT_RESULT_TTL_S
 from .errors import JobRefused
 from .serializer import MsgpackSerializer
 
-# The allow-listed job function a worker runs: one bounded chunk of one job.
-CHUNK_FUNCTION = "worker.tasks.advance_prefill"
+# The allow-listed job function a worker runs: the admission of one job (it starts the job
+# and runs its first chunk; the worker runs the rest in its own loop).
+ADMIT_FUNCTION = "worker.tasks.advance_prefill"
 
-# RQ options of every admitting execution: it never times out inside RQ (it runs one chunk,
+# RQ options of every admission: it never times out inside RQ (it runs the job's first chunk,
 # bounded by its token count, and an exception thrown into MLX work would leave the cache
 # half written) and keeps no result (ours is in the job's record).
-CHUNK_OPTIONS = {"timeout": -1, "result_ttl": 0, "failure_ttl": DEFAULT_RESULT_TTL_S}
+ADMIT_OPTIONS = {"timeout": -1, "result_ttl": 0, "failure_ttl": DEFAULT_RESULT_TTL_S}
 # A refusal quotes at most this much of a foreign job's function name.
 MAX_QUOTED_CHARS = 200
 
 
 def refusal(job: Job) -> str | None:
     """Why RQ job `job` must not run on a prefillq worker, or None when it is prefillq's own
-    execution: `CHUNK_FUNCTION` (no instance) with one job id (a str) as its only argument,
+    execution: `ADMIT_FUNCTION` (no instance) with one job id (a str) as its only argument,
     and no RQ callback or webhook. Decoding the payload (msgpack) runs no code."""
     try:
         func_name, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
     except Exception as error:  # RQ's DeserializationError: not msgpack of RQ's 4-tuple
         return f"its payload cannot be decoded ({type(error).__name__})"
-    if func_name != CHUNK_FUNCTION:
+    if func_name != ADMIT_FUNCTION:
         name = repr(func_name)[:MAX_QUOTED_CHARS]
-        return f"function {name} is not allow-listed (only {CHUNK_FUNCTION} runs here)"
+        return f"function {name} is not allow-listed (only {ADMIT_FUNCTION} runs here)"
     if (instance is not None or kwargs not in (None, {}) or not isinstance(args, list | tuple)
             or len(args) != 1 or not isinstance(args[0], str)):
-        return f"{CHUNK_FUNCTION} takes one job id and nothing else"
+        return f"{ADMIT_FUNCTION} takes one job id and nothing else"
     callbacks = (job._success_callback_name, job._failure_callback_name,
                  job._stopped_callback_name)
     if any(callbacks) or getattr(job, "webhooks", None):  # (webhooks: RQ >= 3)
@@ -60,14 +61,14 @@ def refusal(job: Job) -> str | None:
     return None
 
 
-class ChunkJob(Job):
-    """RQ's `Job` as prefillq's queues and workers use it: `func` is `CHUNK_FUNCTION` or
+class AdmissionJob(Job):
+    """RQ's `Job` as prefillq's queues and workers use it: `func` is `ADMIT_FUNCTION` or
     raises, and RQ's callbacks and webhooks are never run or sent, whatever the job's hash
     names (prefillq sets none)."""
 
     @property
     def func(self):
-        """The job function (`CHUNK_FUNCTION`). Raises JobRefused for any other job."""
+        """The job function (`ADMIT_FUNCTION`). Raises JobRefused for any other job."""
         reason = refusal(self)
         if reason is not None:
             raise JobRefused(reason)
@@ -92,13 +93,13 @@ class ChunkJob(Job):
 def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
     """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
     return Queue(keys.intake_queue(model, priority), connection=redis,
-                 serializer=MsgpackSerializer, job_class=ChunkJob)
+                 serializer=MsgpackSerializer, job_class=AdmissionJob)
 
 
 def sticky_queue(redis: Redis, worker: str) -> Queue:
     """The RQ queue of the jobs routed to `worker`, which it admits before intake."""
     return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer,
-                 job_class=ChunkJob)
+                 job_class=AdmissionJob)
 
 
 def intake_priorities(redis: Redis, model: str) -> list[int]:
@@ -126,43 +127,43 @@ def intake_depth(redis: Redis, model: str) -> int:
     return sum(len(intake_queue(redis, model, p)) for p in intake_priorities(redis, model))
 
 
-def enqueue_chunk(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
+def enqueue_admission(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
     """Put the admitting execution of `job_id` on `queue` (an RQ job with a fresh id and
-    `CHUNK_OPTIONS`)."""
+    `ADMIT_OPTIONS`)."""
     queue.enqueue_call(
-        CHUNK_FUNCTION,
+        ADMIT_FUNCTION,
         args=(job_id,),
-        job_id=chunk_job_id(job_id),
-        description=chunk_description(job_id),
+        job_id=admission_job_id(job_id),
+        description=admission_description(job_id),
         pipeline=pipeline,
         at_front=at_front,
-        **CHUNK_OPTIONS,
+        **ADMIT_OPTIONS,
     )
 
 
-def chunk_job_id(job_id: str) -> str:
-    """A fresh RQ job id for an execution of `job_id`: its id + "-" + 12 hex (`job_id_of`)."""
+def admission_job_id(job_id: str) -> str:
+    """A fresh RQ job id for an admission of `job_id`: its id + "-" + 12 hex (`job_id_of`)."""
     return f"{job_id}-{uuid.uuid4().hex[:12]}"
 
 
-def chunk_description(job_id: str) -> str:
-    return f"prefill chunk of {job_id}"
+def admission_description(job_id: str) -> str:
+    return f"admit prefill {job_id}"
 
 
-def push_new_chunk(pipeline, connection, queue_name: str, job_id: str) -> str:
-    """Queue, on `pipeline`, the writes `enqueue_chunk` makes through RQ for a new job, with
+def push_new_admission(pipeline, connection, queue_name: str, job_id: str) -> str:
+    """Queue, on `pipeline`, the writes `enqueue_admission` makes through RQ for a new job, with
     no Redis I/O of its own; returns the RQ job id.
 
     For a pipeline RQ cannot drive (redis.asyncio's: rq has no asyncio API). RQ's own `Job`
-    builds the job hash (msgpack serializer, `CHUNK_OPTIONS`), and the writes are the ones
+    builds the job hash (msgpack serializer, `ADMIT_OPTIONS`), and the writes are the ones
     ``Queue.enqueue_job`` makes for a job without dependencies: SADD ``rq:queues``, HSET the
     hash (its ``status`` queued), RPUSH the id. `connection` is only held by the `Job`
     object (RQ requires one); nothing is sent through it.
     """
     job = Job.create(
-        CHUNK_FUNCTION, args=(job_id,), connection=connection, id=chunk_job_id(job_id),
-        description=chunk_description(job_id), origin=queue_name, status=JobStatus.QUEUED,
-        serializer=MsgpackSerializer, **CHUNK_OPTIONS,
+        ADMIT_FUNCTION, args=(job_id,), connection=connection, id=admission_job_id(job_id),
+        description=admission_description(job_id), origin=queue_name, status=JobStatus.QUEUED,
+        serializer=MsgpackSerializer, **ADMIT_OPTIONS,
     )
     job.enqueued_at = rq_now()
     queue_key = rq_queue_key(queue_name)
@@ -179,20 +180,20 @@ def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, 
     that keeps the session's slot)."""
     pipeline.sadd(keys.priorities(model), int(priority))
     queue = Queue(new_queue_name(model, priority, worker), connection=redis,
-                  serializer=MsgpackSerializer, job_class=ChunkJob)
-    enqueue_chunk(queue, job_id, pipeline=pipeline)
+                  serializer=MsgpackSerializer, job_class=AdmissionJob)
+    enqueue_admission(queue, job_id, pipeline=pipeline)
 
 
 def push_new(pipeline, connection, job_id: str, model: str, priority: int, *,
              worker: str | None = None) -> None:
     """`enqueue_new`'s writes, queued on any pipeline (redis.asyncio's too) by
-    `push_new_chunk`, with no Redis I/O of their own."""
+    `push_new_admission`, with no Redis I/O of their own."""
     pipeline.sadd(keys.priorities(model), int(priority))
-    push_new_chunk(pipeline, connection, new_queue_name(model, priority, worker), job_id)
+    push_new_admission(pipeline, connection, new_queue_name(model, priority, worker), job_id)
 
 
 def job_id_of(rq_job_id: str) -> str:
-    """The prefillq job id of an admitting execution enqueued by `enqueue_chunk`."""
+    """The prefillq job id of an admitting execution enqueued by `enqueue_admission`."""
     return rq_job_id.rsplit("-", 1)[0]
 
 
@@ -232,7 +233,7 @@ def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,
     model, priority = redis.hmget(keys.job(job_id), "model", "priority")
     if model is not None:  # an expired record needs no RQ job
         queue = intake_queue(redis, model.decode(), _priority(priority))
-        enqueue_chunk(queue, job_id, pipeline=pipeline, at_front=at_front)
+        enqueue_admission(queue, job_id, pipeline=pipeline, at_front=at_front)
 
 
 def _priority(raw: bytes | None) -> int:

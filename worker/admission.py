@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from rq import Queue
 
 from jobs.defaults import DEFAULT_MAX_ACTIVE
-from jobs.queues import enqueue_chunk, intake_priorities, intake_queue
+from jobs.queues import enqueue_admission, intake_priorities, intake_queue
 
 log = logging.getLogger("prefillq.worker")
 
@@ -93,7 +93,7 @@ class Admission:
         """Put a job that does not fit back at the head of its intake queue, untouched, and
         admit nothing until a resident job leaves (`room_freed`)."""
         queue = intake_queue(self.connection, model, priority)
-        enqueue_chunk(queue, job_id, at_front=True)
+        enqueue_admission(queue, job_id, at_front=True)
         self.room_needed = True
         log.info("job %s waits for KV room (%d bytes resident)", job_id,
                  self.resident_kv_bytes)

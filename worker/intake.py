@@ -4,9 +4,10 @@ Anyone who can write Redis can push junk: ids that are not UTF-8 or name no RQ j
 intake and own queues, RQ job hashes that do not decode, prefillq records with truncated
 msgpack or fields of the wrong type. None of it may stop the worker or touch another job:
 
-- `GuardedQueue.dequeue_any` (the worker's RQ ``queue_class``) drops a popped id that is not
-  UTF-8 or whose RQ hash does not decode, logs it and pops the next (RQ's own loop lets
-  either exception end the worker).
+- `fetch_or_drop`, which the worker's RQ ``queue_class`` (`worker.taking.TakingQueue`)
+  calls on every popped id, drops one that is not UTF-8 or whose RQ hash does not decode
+  and logs it, and the queue pops the next (RQ's own loop lets either exception end the
+  worker).
 - `read_record` decodes a job's record; one that does not decode fails at once with
   ``CorruptJob`` (`jobs.scripts.REFUSE`), its undecodable fields dropped so that its status
   reads again.
@@ -18,11 +19,8 @@ import logging
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job
-from rq.utils import get_version
 
 from jobs import keys, protocol, stats
 from jobs.defaults import MAX_ERROR_CHARS
@@ -36,39 +34,6 @@ log = logging.getLogger("prefillq.worker")
 
 # Redis being away is the connection policy's business (`worker.connection`), never junk.
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
-
-
-class GuardedQueue(Queue):
-    """RQ's `Queue` whose `dequeue_any` skips junk instead of raising."""
-
-    @classmethod
-    def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
-                    death_penalty_class=None):
-        """RQ's ``Queue.dequeue_any`` (the same pops: LMOVE for one queue on Redis >= 6.2,
-        else (B)LPOP), except that a popped id that is not UTF-8, names no RQ job, or whose
-        RQ hash does not decode is logged and dropped (also from RQ's intermediate list),
-        and the next one is popped.
-
-        Returns:
-            ``(job, queue)``, or None when the queues are empty (non-blocking).
-        Raises:
-            rq.exceptions.DequeueTimeout: a blocking pop timed out (as RQ's).
-        """
-        queue_keys = [queue.key for queue in queues]
-        job_class = job_class or Job
-        while True:
-            if len(queue_keys) == 1 and get_version(connection) >= (6, 2, 0):
-                popped = cls.lmove(connection, queue_keys[0], timeout)
-            else:
-                popped = cls.lpop(queue_keys, timeout, connection=connection)
-            if popped is None:
-                return None
-            queue_key = popped[0].decode() if isinstance(popped[0], bytes) else popped[0]
-            job = fetch_or_drop(connection, queue_key, popped[1], job_class, serializer)
-            if job is not None:
-                return job, cls.from_queue_key(queue_key, connection=connection,
-                                               job_class=job_class, serializer=serializer,
-                                               death_penalty_class=death_penalty_class)
 
 
 def fetch_or_drop(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):

@@ -4,7 +4,7 @@ The model and every admitted job's KV cache live in this process across RQ execu
 the worker runs jobs in its own process (RQ's `SimpleWorker`,
 https://python-rq.org/docs/workers/). This module holds the RQ hooks only: which queues are
 read (`worker.admission`), which RQ jobs may run (`jobs.queues.refusal`: only
-`jobs.queues.CHUNK_FUNCTION` with one job id, no callbacks or webhooks), start
+`jobs.queues.ADMIT_FUNCTION` with one job id, no callbacks or webhooks), start
 and shutdown. The chunk step and its transitions are in `worker.step`, liveness in
 `worker.heartbeat`, the Redis retry policy in `worker.connection`.
 
@@ -41,7 +41,7 @@ from jobs.defaults import (
 )
 from jobs.errors import JobRefused
 from jobs.limits import Limits
-from jobs.queues import ChunkJob, intake_queue, move_to_intake, refusal, sticky_queue
+from jobs.queues import AdmissionJob, intake_queue, move_to_intake, refusal, sticky_queue
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
@@ -130,7 +130,7 @@ class PrefillWorker(SimpleWorker):
     """
 
     death_penalty_class = NoDeathPenalty
-    job_class = ChunkJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
+    job_class = AdmissionJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
 
     def __init__(
         self,

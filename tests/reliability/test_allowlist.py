@@ -22,7 +22,7 @@ from rq import Callback
 from rq.job import Job, JobStatus
 
 from jobs import JobState, PrefillClient
-from jobs.queues import CHUNK_FUNCTION, intake_queue, rq_queue_key, sticky_queue
+from jobs.queues import ADMIT_FUNCTION, intake_queue, rq_queue_key, sticky_queue
 from jobs.serializer import MsgpackSerializer, packb
 from tests.worker.helpers import CHUNK, MODEL, ids
 from worker.worker import PrefillWorker
@@ -104,7 +104,7 @@ def test_foreign_functions_are_refused_recorded_and_never_run(conn, worker, tmp_
     for name, rq_id in foreign.items():
         func = name.split()[0]
         assert recorded[rq_id] == (f"JobRefused: function {func!r} is not allow-listed "
-                                   f"(only {CHUNK_FUNCTION} runs here)")
+                                   f"(only {ADMIT_FUNCTION} runs here)")
         assert any(rq_id in r.getMessage() and "refused" in r.getMessage()
                    for r in caplog.records)
     assert client.status(good).state == JobState.FINISHED
@@ -126,17 +126,17 @@ def test_raw_payloads_the_serializer_cannot_decode_or_that_misuse_the_function(
         "junk bytes": (b"\x00\xffnot msgpack", "payload cannot be decoded"),
         "a pickle": (zlib.compress(pickle.dumps(("os.system", None, (f"touch {mark}",), {}))),
                      "payload cannot be decoded"),
-        "a map, not RQ's tuple": (zlib.compress(packb({"func": CHUNK_FUNCTION})),
+        "a map, not RQ's tuple": (zlib.compress(packb({"func": ADMIT_FUNCTION})),
                                   "payload cannot be decoded"),
-        "truncated": (tuple_of(CHUNK_FUNCTION, None, [target], {})[:-3],
+        "truncated": (tuple_of(ADMIT_FUNCTION, None, [target], {})[:-3],
                       "payload cannot be decoded"),
-        "keyword arguments": (tuple_of(CHUNK_FUNCTION, None, [target], {"x": 1}),
+        "keyword arguments": (tuple_of(ADMIT_FUNCTION, None, [target], {"x": 1}),
                               "takes one job id and nothing else"),
-        "an instance": (tuple_of(CHUNK_FUNCTION, "os", [target], {}),
+        "an instance": (tuple_of(ADMIT_FUNCTION, "os", [target], {}),
                         "takes one job id and nothing else"),
-        "two arguments": (tuple_of(CHUNK_FUNCTION, None, [target, "x"], {}),
+        "two arguments": (tuple_of(ADMIT_FUNCTION, None, [target, "x"], {}),
                           "takes one job id and nothing else"),
-        "a non-str id": (tuple_of(CHUNK_FUNCTION, None, [7], {}),
+        "a non-str id": (tuple_of(ADMIT_FUNCTION, None, [7], {}),
                          "takes one job id and nothing else"),
     }
     rq_ids = {name: raw_job(conn, queue, f"raw-{i}", data)
@@ -162,7 +162,7 @@ def test_rq_callbacks_are_never_imported_or_called(conn, worker, evil_module):
     for hook in ("on_success", "on_failure", "on_stopped"):
         target = client.submit(tokens=ids(20, 4), model=MODEL)
         # prefillq's own function and a real job id: only the callback is foreign
-        rq_ids.append(queue.enqueue_call(CHUNK_FUNCTION, args=(target,),
+        rq_ids.append(queue.enqueue_call(ADMIT_FUNCTION, args=(target,),
                                          **{hook: Callback(f"{EVIL_MODULE}.hook")}).id)
     worker.work(burst=True)
     for exc_string in refusals(conn, rq_ids).values():
@@ -173,7 +173,7 @@ def test_a_foreign_started_registry_entry_never_runs_its_failure_callback(
         conn, worker, evil_module):
     # RQ's maintenance fails abandoned "started" jobs and would call their failure callback
     queue = intake_queue(conn, MODEL)
-    job = queue.enqueue_call(CHUNK_FUNCTION, args=("x",), on_failure=Callback(
+    job = queue.enqueue_call(ADMIT_FUNCTION, args=("x",), on_failure=Callback(
         f"{EVIL_MODULE}.hook"))
     conn.lrem(queue.key, 0, job.id)
     conn.hset(job.key, "status", JobStatus.STARTED.value)
@@ -203,7 +203,7 @@ def test_webhooks_are_never_sent(conn, worker):
     rq_ids = [
         queue.enqueue_call("os.system", args=("true",),
                            webhooks=[webhook.Webhook(url, "failed")]).id,
-        queue.enqueue_call(CHUNK_FUNCTION, args=(client.submit(tokens=ids(20, 5), model=MODEL),),
+        queue.enqueue_call(ADMIT_FUNCTION, args=(client.submit(tokens=ids(20, 5), model=MODEL),),
                            webhooks=[webhook.Webhook(url, "finished"),
                                      webhook.Webhook(url, "failed", method="POST")]).id,
     ]

@@ -22,11 +22,10 @@ from jobs import (
     UnknownModel,
     keys,
 )
-from jobs.queues import enqueue_chunk, intake_queue, move_to_intake, rq_queue_key, sticky_queue
+from jobs.queues import enqueue_admission, intake_queue, move_to_intake, rq_queue_key, sticky_queue
 from jobs.reaper import reap
 from jobs.record import JobRecord
 from jobs.serializer import MsgpackSerializer, packb
-from worker.intake import GuardedQueue
 
 from .helpers import GOOD, MODEL, assert_good, assert_logits, submit_good, work
 
@@ -168,7 +167,7 @@ def test_a_stopping_worker_moves_its_own_queue_to_intake_past_junk_ids(stack, ti
     worker, client = stack()
     routed = submit_good(client)
     client.redis.delete(INTAKE)  # routed to w1 instead: its RQ job on w1's own queue
-    enqueue_chunk(sticky_queue(client.redis, "w1"), routed)
+    enqueue_admission(sticky_queue(client.redis, "w1"), routed)
     client.redis.rpush(STICKY, b"\xff\xfe", "no-such-job")
     assert move_to_intake(client.redis, "w1") == [routed, "no-such"]
     assert client.redis.llen(STICKY) == 0
@@ -227,18 +226,19 @@ def test_a_junk_model_registration_is_unknown_model(stack):
         assert set(client.models()) == {MODEL}  # the junk entry is left out
 
 
-def test_one_queue_dequeue_drops_junk_from_rqs_intermediate_list(stack):
-    worker, client = stack()  # one queue: RQ pops with LMOVE through its intermediate list
+def test_the_workers_dequeue_drops_junk_ids_and_forgets_their_pops(stack):
+    worker, client = stack()
     routed = submit_good(client)
     client.redis.delete(INTAKE)
     client.redis.rpush(STICKY, b"\xff", "no-such-job")
-    enqueue_chunk(sticky_queue(client.redis, "w1"), routed)
-    job, queue = GuardedQueue.dequeue_any([worker.sticky], None, connection=client.redis,
-                                          serializer=MsgpackSerializer)
+    enqueue_admission(sticky_queue(client.redis, "w1"), routed)
+    job, queue = worker.queue_class.dequeue_any([worker.sticky], None, connection=client.redis,
+                                                serializer=MsgpackSerializer)
     assert job.args == [routed] and queue.name == keys.sticky_queue("w1")
-    intermediate = client.redis.lrange(STICKY + ":intermediate", 0, -1)
-    assert b"\xff" not in intermediate and b"no-such-job" not in intermediate
-    assert GuardedQueue.dequeue_any([worker.sticky], None, connection=client.redis) is None
+    # the junk pops are dropped from the taking set: nothing for the reaper to hand back
+    assert client.redis.smembers(keys.worker_taking("w1")) == {job.id.encode()}
+    assert worker.queue_class.dequeue_any([worker.sticky], None,
+                                          connection=client.redis) is None
 
 
 def test_junk_in_a_dead_workers_jobs_does_not_stop_the_reaper(stack, tiny64, caplog):

@@ -16,7 +16,7 @@ import redis
 from jobs import AsyncPrefillClient, JobFailed, JobState, PrefillClient, UnknownModel, keys
 from jobs.limits import Limits
 from jobs.protocol import submitted_record
-from jobs.queues import enqueue_chunk, intake_queue, sticky_queue
+from jobs.queues import enqueue_admission, intake_queue, sticky_queue
 from tests.worker.helpers import CHUNK, MODEL, ids
 from worker.worker import PrefillWorker
 
@@ -109,7 +109,7 @@ def raw_job(conn, model: str, queue, tokens: list[int] | None = None) -> str:
                               chunk_tokens=None, idempotency_key=None, max_attempts=3,
                               prompt_logprobs=None)
     conn.hset(keys.job(record.job_id), mapping=record.to_hash())
-    enqueue_chunk(queue, record.job_id)
+    enqueue_admission(queue, record.job_id)
     return record.job_id
 
 

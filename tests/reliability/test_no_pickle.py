@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from jobs import JobFailed, JobState, PrefillClient
-from jobs.queues import CHUNK_FUNCTION, intake_queue
+from jobs.queues import ADMIT_FUNCTION, intake_queue
 from jobs.serializer import unpackb
 from tests.worker.helpers import CHUNK, MODEL, OnChunk, ids
 from worker.worker import PrefillWorker
@@ -82,7 +82,7 @@ def test_no_value_in_redis_is_a_pickle_after_jobs_of_every_kind(conn, redis_serv
     client.cancel(submitted["canceled_queued"])
     # RQ's own failure and result bookkeeping: a refused foreign job, a finished foreign one
     intake_queue(conn, MODEL).enqueue("os.system", "true")
-    intake_queue(conn, MODEL).enqueue_call(CHUNK_FUNCTION, args=("no-such-job",))
+    intake_queue(conn, MODEL).enqueue_call(ADMIT_FUNCTION, args=("no-such-job",))
     rq_payloads = [unpackb(zlib.decompress(conn.hget(k, "data")))
                    for k in conn.scan_iter("rq:job:*")]
     assert len(rq_payloads) == len(submitted) + 2
@@ -131,4 +131,4 @@ def test_no_value_in_redis_is_a_pickle_after_jobs_of_every_kind(conn, redis_serv
         assert any(pattern in key for key in scanned), f"no {pattern!r} key was scanned"
     assert sum(len(v) for v in at_end.values()) > 100
     assert pickled(mid_run) == [] and pickled(at_end) == []
-    assert all(p[0] in (CHUNK_FUNCTION, "os.system") for p in rq_payloads)
+    assert all(p[0] in (ADMIT_FUNCTION, "os.system") for p in rq_payloads)
