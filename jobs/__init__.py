@@ -28,7 +28,8 @@ from .errors import (
     UnknownModel,
 )
 from .limits import Limits
-from .schema import JobState, JobStatus, LogitsMode, PrefillResult, TopLogit
+from .result import PrefillResult, TopLogit
+from .schema import JobState, JobStatus, LogitsMode
 from .tokenizer import ServedTokenizer
 
 __all__ = [

@@ -28,7 +28,8 @@ from .defaults import (
 from .limits import Limits
 from .queues import intake_levels, push_new, rq_queue_key
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
-from .schema import JobStatus, LogitsMode, PrefillResult
+from .result import PrefillResult
+from .schema import JobStatus, LogitsMode
 from .scripts import CANCEL, RELEASE_CLAIM
 from .subscriber import CONNECTION_ERRORS, Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer

@@ -19,7 +19,8 @@ from typing import NoReturn
 from .client import PrefillClient, redis_url
 from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
 from .errors import JobCanceled, JobFailed
-from .schema import JobState, result_record
+from .result import result_record
+from .schema import JobState
 
 SAMPLE_PROMPT = "The capital of France is"
 

@@ -28,7 +28,8 @@ from .defaults import (
 from .limits import Limits
 from .queues import enqueue_new, intake_depth
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
-from .schema import JobStatus, LogitsMode, PrefillResult
+from .result import PrefillResult
+from .schema import JobStatus, LogitsMode
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
 

@@ -15,7 +15,7 @@ CANCEL = PREFIX + ":{{{job_id}}}:cancel"
 # Full float32 logits of a finished job, when requested.
 LOGITS = PREFIX + ":{{{job_id}}}:logits"
 # Per-position prompt log-probabilities of a finished job (``prompt_logprobs``), msgpack
-# (`jobs.schema.prompt_logprobs_of`), with the logits' TTL.
+# (`jobs.result.prompt_logprobs_of`), with the logits' TTL.
 PROMPT_LOGPROBS = PREFIX + ":{{{job_id}}}:prompt-logprobs"
 # Pub/sub channel: one message per chunk and one on the terminal state.
 EVENTS = PREFIX + ":{{{job_id}}}:events"

@@ -26,7 +26,8 @@ from .errors import (
 from .limits import Limits
 from .record import JobRecord
 from .requests import ModelInfo, new_record
-from .schema import JobState, JobStatus, PrefillResult, now
+from .result import PrefillResult
+from .schema import JobState, JobStatus, now
 from .serializer import DECODE_ERRORS, unpackb
 from .tokenizer import ServedTokenizer
 

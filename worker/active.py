@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from jobs import keys
+from jobs.result import TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
-from jobs.serializer import packb
 from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
 
@@ -43,8 +43,8 @@ class ActiveJob:
                 keys.prompt_logprobs(j)]
 
 
-def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
-    """The msgpack-able result of a finished job (`jobs.schema.PrefillResult`'s fields).
+def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
+    """The ``result`` field of a finished job (`jobs.result.result_blob`).
 
     Args:
         logits: float32 ``(vocab,)`` after the last position.
@@ -52,36 +52,30 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> dict:
             the tokens this job prefilled (not those reused from a session's slot).
     """
     p, loaded = active.prefill, active.model
-    return {
-        "n_tokens": p.n_tokens,
-        "cached_tokens": p.cached_tokens,
-        "reuse": p.reuse,
-        "chunks_done": p.chunks_done,
-        "top_k": [
-            {"id": t.id, "logit": t.logit, "logprob": t.logprob,
-             "piece": loaded.tokenizer.piece(t.id)}
-            for t in top_k(logits, active.top_k)
-        ],
-        "timings": {
+    return result_blob(
+        n_tokens=p.n_tokens, cached_tokens=p.cached_tokens, reuse=p.reuse,
+        chunks_done=p.chunks_done,
+        top_k=[TopLogit(id=t.id, logit=t.logit, logprob=t.logprob,
+                        piece=loaded.tokenizer.piece(t.id))
+               for t in top_k(logits, active.top_k)],
+        timings={
             "queue_wait_s": active.first_started_at - active.enqueued_at,
             "prefill_s": prefill_s,
             "compute_s": p.compute_seconds,
             "tokens_per_s": (p.n_tokens - p.cached_tokens) / prefill_s,
         },
-        "model_sha256": loaded.sha256,
-    }
+        model_sha256=loaded.sha256,
+    )
 
 
-def prompt_logprobs_blob(prefill: Prefill) -> bytes:
-    """The msgpack of a finished prefill's ``logprobs`` for its Redis key (the layout
-    `jobs.schema.prompt_logprobs_of` decodes), or ``b""`` when the job asked for none."""
+def prompt_logprobs_of_prefill(prefill: Prefill) -> bytes:
+    """A finished prefill's ``logprobs`` for its Redis key (`jobs.result.prompt_logprobs_blob`),
+    or ``b""`` when the job asked for none."""
     lp = prefill.logprobs
     if lp is None:
         return b""
-    return packb({
-        "k": lp.k,
-        "ids": np.asarray(lp.token_ids, dtype="<i4").tobytes(),
-        "token_logprob": lp.token_logprob.astype("<f4").tobytes(),
-        "top_ids": lp.top_ids.astype("<i4").tobytes(),
-        "top_logprobs": lp.top_logprobs.astype("<f4").tobytes(),
-    })
+    return prompt_logprobs_blob(
+        k=lp.k, ids=np.asarray(lp.token_ids, dtype="<i4").tobytes(),
+        token_logprob=lp.token_logprob.astype("<f4").tobytes(),
+        top_ids=lp.top_ids.astype("<i4").tobytes(),
+        top_logprobs=lp.top_logprobs.astype("<f4").tobytes())

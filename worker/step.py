@@ -32,12 +32,12 @@ from jobs.defaults import MAX_ERROR_CHARS
 from jobs.limits import Limits
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
+from jobs.result import logits_blob
 from jobs.schema import JobState, LogitsMode, now
 from jobs.scripts import Scripts
-from jobs.serializer import packb
 from model.registry import LoadedModel
 
-from .active import ActiveJob, prompt_logprobs_blob, result_of
+from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
 from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
@@ -279,9 +279,9 @@ class Stepper:
         prefill_s = max(finished - active.first_started_at, 1e-9)
         full = b""
         if active.logits_mode == LogitsMode.FULL:
-            full = packb(np.asarray(logits, dtype="<f4").tobytes())
-        args = [*self._fence_args(active), packb(result_of(active, logits, prefill_s)),
-                full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_blob(p)]
+            full = logits_blob(np.asarray(logits, dtype="<f4").tobytes())
+        args = [*self._fence_args(active), result_of(active, logits, prefill_s),
+                full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_of_prefill(p)]
         if self.faults is not None:
             self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
                               attempt=active.attempt)

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..defaults import DEFAULT_MODEL, MAX_TOP_K
 from ..errors import InvalidRequest, JobCanceled, JobFailed
-from ..schema import PrefillResult
+from ..result import PrefillResult
 from ..tokenizer import ServedTokenizer
 from .body import documented, parsed
 from .deps import Client, ClientGone, require_api_key, unless_disconnected

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from ..errors import InvalidRequest, JobCanceled, JobFailed, JobTimeout
-from ..schema import JobStatus, result_record
+from ..result import result_record
+from ..schema import JobStatus
 from .body import json_object
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_body

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from jobs.gateway.completions import CompletionRequest, Scored, choice, with_bos
-from jobs.schema import PrefillResult, TopLogit
+from jobs.result import PrefillResult, TopLogit
 from jobs.tokenizer import ServedTokenizer, pack_tokenizer
 
 TEXTS = ["The capital of France is Paris.", "a 𓀀𓀁 b ", "Héllo ✓ 日本 🤗\n\n  x",
