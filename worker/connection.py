@@ -47,6 +47,8 @@ CONNECT_TIMEOUT_S = 5.0
 # Connection errors no wait cures (wrong credentials, an ACL user without the rights):
 # raised at once, so a misconfigured worker exits with the reason instead of retrying.
 NOT_RETRIED = (AuthenticationError, AuthorizationError)
+# What an outage raises: logged once per wait (a refused write is `until_accepted`'s to log).
+OUTAGE_ERRORS = (ConnectionError, TimeoutError)
 
 
 class RedisUnreachable(OSError):
@@ -94,6 +96,8 @@ class ShutdownRetry(Retry):
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         """Call `do` until it returns; on a supported error call `fail`, back off, retry.
+        An outage is logged once, as a warning at its first failure and a line when `do`
+        returns after it (a worker started against a wrong URL says so).
 
         Raises:
             ConnectionError, TimeoutError: the error of the last attempt, once the deadline
@@ -101,14 +105,17 @@ class ShutdownRetry(Retry):
                 once.
         """
         self._backoff.reset()
-        failures = 0
+        failures, first_failure = 0, 0.0
         while True:
             try:
-                return do()
+                result = do()
             except self._supported_errors as error:
                 if isinstance(error, NOT_RETRIED) or (is_retryable and not is_retryable(error)):
                     raise
                 failures += 1
+                if failures == 1 and isinstance(error, OUTAGE_ERRORS):
+                    first_failure = time.monotonic()
+                    log.warning("Redis is unreachable (%s); retrying until it answers", error)
                 if with_failure_count:
                     fail(error, failures)
                 else:
@@ -118,6 +125,11 @@ class ShutdownRetry(Retry):
                     self.deadline.expired_once = True
                     raise
                 self._pause(self._backoff.compute(failures))
+            else:
+                if first_failure:
+                    log.info("Redis answered again after %.1f s (%d failed attempts)",
+                             time.monotonic() - first_failure, failures)
+                return result
 
     def _pause(self, seconds: float) -> None:
         """Sleep `seconds`, in short steps so a deadline set meanwhile cuts it short."""

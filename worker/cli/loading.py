@@ -15,7 +15,8 @@ def device_summary() -> str:
 
     if mx.default_device() == mx.gpu:
         return "gpu"
-    return f"cpu, {cpu_streams()} streams"
+    n = cpu_streams()
+    return f"cpu, {n} stream{'' if n == 1 else 's'}"
 
 
 def load_models(specs: list[str], context_length: int | None) -> dict:
