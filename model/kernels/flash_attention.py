@@ -39,8 +39,8 @@ ENV = "PREFILLQ_FUSED_ATTENTION"
 TARGET_BLOCKS = 264
 # A split gets at least this many key blocks (2,048 keys): the combine costs the host four
 # more ops and the device an fp32 round trip of the output, which only long key ranges
-# repay. On the H200 Gemma 3's 2,048-token chunks ran 1.10x (8K) and 1.15x (32K) faster
-# with 32 than with 4 (bench.gpu_ablate at d4b302f), its sliding layers seeing 9 blocks.
+# repay (on the H200, Gemma 3's sliding layers see 9 blocks: docs/benchmarks.md has the
+# ablation).
 MIN_KEY_BLOCKS_PER_SPLIT = 32
 
 _kernels: dict[tuple[int, int, bool, int], object] = {}
