@@ -46,7 +46,9 @@ def test_dockerfile_preloads_openblas_and_installs_the_worker():
 
 
 def test_every_package_ships_in_a_non_editable_install():
-    """A Docker build installs the wheel, not the checkout: every sub-package must be in it."""
+    """A Docker build installs the wheel, not the checkout: every sub-package of the four
+    packages must be in it, and the benchmarks must not (they run from a checkout;
+    tests/test_packaging.py builds the wheel itself)."""
     import tomllib
     from setuptools import find_packages
 
@@ -54,6 +56,7 @@ def test_every_package_ships_in_a_non_editable_install():
         "packages"]["find"]["include"]
     shipped = set(find_packages(where=ROOT, include=include))
     on_disk = {str(p.parent.relative_to(ROOT)).replace("/", ".")
-               for top in ("jobs", "worker", "model", "bench")
+               for top in ("jobs", "worker", "model", "tokentext")
                for p in (ROOT / top).rglob("__init__.py")}
     assert on_disk <= shipped, on_disk - shipped
+    assert not [name for name in shipped if name.split(".")[0] in ("bench", "tests")]
