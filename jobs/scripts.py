@@ -74,7 +74,7 @@ return {'started', attempts}
 # After a chunk: record progress, then stop if canceled (the cursor says where it stopped).
 # ARGV[4] result TTL (s), ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens,
 # ARGV[8] recovery_position.
-CHECKPOINT = (
+PROGRESS = (
     _FENCE_READING_CANCEL
     + """
 redis.call('HSET', KEYS[1], 'cursor', ARGV[5], 'chunks_done', ARGV[6], 'n_tokens', ARGV[7],
@@ -247,7 +247,7 @@ class Scripts:
 
     def __init__(self, redis: Redis):
         self.start: Script = redis.register_script(START)
-        self.checkpoint: Script = redis.register_script(CHECKPOINT)
+        self.progress: Script = redis.register_script(PROGRESS)
         self.publish: Script = redis.register_script(PUBLISH)
         self.fail: Script = redis.register_script(FAIL)
         self.requeue: Script = redis.register_script(REQUEUE)

@@ -149,7 +149,8 @@ class Stepper:
         )
         probe = Probe(others=[j for j in self.active if j != job_id],
                       queue_keys=self.admit_from(), chunk=(dt, n))
-        reply = self.publish(active, probe) if p.done else self.checkpoint(active, probe)
+        reply = (self.publish(active, probe) if p.done
+                 else self.record_progress(active, probe))
         self.intake_waiting = reply.intake_waiting
         if job_id in self.active and active.checkpoints is not None:
             self.checkpointing.after_chunk(active)
@@ -159,7 +160,7 @@ class Stepper:
 
     def advance_cancel(self, active: ActiveJob) -> None:
         """Record `canceled` for a resident job (its own refused write parks it only)."""
-        self._guarded(active.job_id, self.checkpoint, active)
+        self._guarded(active.job_id, self.record_progress, active)
 
     # -- start --------------------------------------------------------------------------
 
@@ -257,13 +258,13 @@ class Stepper:
     def _fence_args(self, active: ActiveJob) -> list:
         return [self.name, active.attempt, now(), self.result_ttl_s]
 
-    def checkpoint(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
+    def record_progress(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
         """Record progress (fenced; canceled wins), with `probe`'s reads in the same round
         trip. On ``canceled`` or ``fenced`` the job is dropped here."""
         p = active.prefill
         args = [*self._fence_args(active), p.cursor, p.chunks_done, p.n_tokens,
                 p.plan.recovery_position]
-        reply = run_script(self.connection, self.scripts.checkpoint, active.keys[:3], args,
+        reply = run_script(self.connection, self.scripts.progress, active.keys[:3], args,
                            probe)
         if reply.outcome != "continue":
             log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)

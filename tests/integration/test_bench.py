@@ -85,7 +85,7 @@ def test_scale_runs_worker_processes_on_one_redis(capsys, tmp_path):
         assert r["machine_cores"] >= 1 and 0 < r["chunks"] <= 4 * 16
         assert r["window_s"] >= 1.5 and r["value"] > 0
     per_chunk = records["scale_redis_commands_per_chunk"]
-    assert per_chunk["by_command"]["evalsha"] > 0  # the chunk's checkpoint script
+    assert per_chunk["by_command"]["evalsha"] > 0  # the chunk's progress script
     assert records["scale_redis_cpu_fraction"]["value"] < 1
     assert json.loads(out.read_text().splitlines()[0])["context"]["workers"] == 2
 

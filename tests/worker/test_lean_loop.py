@@ -20,7 +20,7 @@ from worker.worker import PrefillWorker
 
 from .helpers import CHUNK, MODEL, assert_logits_match, ids
 
-# A chunk's round trip: EVALSHA of the checkpoint script, the HMGET, HSET and PUBLISH it
+# A chunk's round trip: EVALSHA of the progress script, the HMGET, HSET and PUBLISH it
 # runs, an LLEN of each queue the worker admits from (its own and one intake queue), and
 # the chunk's stats (two HINCRBY, one HINCRBYFLOAT on keys.STATS).
 MAX_COMMANDS_PER_CHUNK = 6 + stats.COMMANDS_PER_CHUNK
