@@ -149,8 +149,7 @@ class Stepper:
         )
         probe = Probe(others=[j for j in self.active if j != job_id],
                       queue_keys=self.admit_from(), chunk=(dt, n))
-        reply = (self.publish(active, probe) if p.done
-                 else self.record_progress(active, probe))
+        reply = self.publish(active, probe) if p.done else self.record_progress(active, probe)
         self.intake_waiting = reply.intake_waiting
         if job_id in self.active and active.checkpoints is not None:
             self.checkpointing.after_chunk(active)
