@@ -174,12 +174,6 @@ def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e12
 
 
-def _window(args, layer: int) -> int | None:
-    if isinstance(args, llama.ModelArgs):
-        return args.window(layer)
-    return args.sliding_window if args.is_sliding(layer) else None
-
-
 def decoder_flops(args: gemma3.ModelArgs | llama.ModelArgs, n: int) -> float:
     """Useful FLOPs of a prefill of `n` tokens: 2 x linear params per token, plus QK and PV
     over the keys each query may see (the window in sliding layers), plus the head once.
@@ -188,8 +182,8 @@ def decoder_flops(args: gemma3.ModelArgs | llama.ModelArgs, n: int) -> float:
         args.num_key_value_heads
     linear = 2 * h * nh * hd + 2 * h * kv * hd + 3 * h * args.intermediate_size
     total = 2 * linear * args.num_hidden_layers * n
-    for layer in range(args.num_hidden_layers):
-        window = _window(args, layer)
+    for spec in args.layer_specs():
+        window = spec.window
         if window:
             seen = sum(min(p + 1, window) for p in range(n))
         else:

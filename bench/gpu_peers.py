@@ -133,15 +133,12 @@ def mlx_lm_impl(family: str) -> str:
 def shapes_of(args, label: str, **extra) -> dict:
     """A `model.archs.gemma3.ModelArgs` or `model.archs.llama.ModelArgs` as a child takes
     it: its fields, ``family`` (``gemma3``, or the Llama args' ``architecture``),
-    ``sliding`` (whether each layer has a window, so no child imports `model`, which imports
-    MLX), ``label`` (the records' ``model``) and `extra` (e.g. HF's ``rope_scaling``)."""
-    family = getattr(args, "architecture", "gemma3")
-    if family == "gemma3":
-        sliding = [args.is_sliding(i) for i in range(args.num_hidden_layers)]
-    else:
-        sliding = [args.window(i) is not None for i in range(args.num_hidden_layers)]
-    return {**dataclasses.asdict(args), "family": family, "label": label, "sliding": sliding,
-            **extra}
+    ``sliding`` (whether each layer has a window, from its ``layer_specs()``, so no child
+    imports `model`, which imports MLX), ``label`` (the records' ``model``) and `extra`
+    (e.g. HF's ``rope_scaling``)."""
+    sliding = [spec.window is not None for spec in args.layer_specs()]
+    return {**dataclasses.asdict(args), "family": getattr(args, "architecture", "gemma3"),
+            "label": label, "sliding": sliding, **extra}
 
 
 def plan(shapes: dict, cases: Iterable[tuple[int, int]], repeats: int,
