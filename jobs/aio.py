@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 
-from . import keys, protocol, stats
+from . import keys, protocol, scripts, stats
 from .client import redis_url
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
@@ -30,7 +30,7 @@ from .queues import intake_levels, push_new, rq_queue_key
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
 from .result import PrefillResult
 from .schema import JobStatus, LogitsMode
-from .scripts import CANCEL, RELEASE_CLAIM
+from .scripts import Scripts
 from .subscriber import CONNECTION_ERRORS, Subscriber
 from .tokenizer import AsyncTokenizerCache, ServedTokenizer
 
@@ -74,8 +74,7 @@ class AsyncPrefillClient:
         self.max_queue_depth = max_queue_depth
         self.result_ttl_s = result_ttl_s
         self.limits = limits
-        self._cancel = redis.register_script(CANCEL)
-        self._release_claim = redis.register_script(RELEASE_CLAIM)
+        self._scripts = Scripts(redis)
 
     @classmethod
     def from_url(cls, url: str | None = None, *,
@@ -196,7 +195,7 @@ class AsyncPrefillClient:
         except Exception:
             if claim is not None:  # as the sync client: the key is free again
                 try:
-                    await self._release_claim(keys=[claim], args=[record.job_id])
+                    await self._scripts.run(scripts.release(claim, record.job_id))
                 except Exception:
                     pass
             raise
@@ -220,9 +219,7 @@ class AsyncPrefillClient:
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job; idempotent. True if this call changed anything (see
         `PrefillClient.cancel`). Raises JobNotFound."""
-        outcome = await self._cancel(
-            keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
-        )
+        outcome = await self._scripts.run(protocol.cancel_call(job_id, self.result_ttl_s))
         ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
         if ended:
             async with self.redis.pipeline(transaction=False) as pipe:

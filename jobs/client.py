@@ -15,7 +15,7 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import keys, protocol, stats
+from . import keys, protocol, scripts, stats
 from .defaults import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_QUEUE_DEPTH,
@@ -209,7 +209,7 @@ class PrefillClient:
         except Exception:
             if claim is not None:
                 try:  # best effort: the caller sees the submit's own error
-                    self._scripts.release_claim(keys=[claim], args=[record.job_id])
+                    self._scripts.run(scripts.release(claim, record.job_id))
                 except Exception:
                     pass
             raise
@@ -240,9 +240,7 @@ class PrefillClient:
         boundary (state stays ``prefilling`` with ``cancel_requested`` until then).
         Raises JobNotFound.
         """
-        outcome = self._scripts.cancel(
-            keys=protocol.cancel_keys(job_id), args=protocol.cancel_args(self.result_ttl_s)
-        )
+        outcome = self._scripts.run(protocol.cancel_call(job_id, self.result_ttl_s))
         ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
         if ended:
             with self.redis.pipeline(transaction=False) as pipe:

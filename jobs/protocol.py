@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from . import keys
+from . import scripts
 from .errors import (
     CorruptJob,
     JobCanceled,
@@ -126,19 +126,14 @@ def status_of(job_id: str, raw: Mapping[bytes, bytes]) -> JobStatus:
     return JobRecord.from_hash(job_id, dict(raw)).status()
 
 
-def cancel_keys(job_id: str) -> list[str]:
-    """KEYS of ``scripts.CANCEL`` for `job_id`. Raises JobNotFound for an id no job has."""
-    job_id = checked_id(job_id)
-    return [keys.job(job_id), keys.cancel(job_id), keys.events(job_id)]
-
-
-def cancel_args(result_ttl_s: int) -> list[float | int]:
-    """ARGV of ``scripts.CANCEL``: now, and the TTL (s) of a record canceled while queued."""
-    return [now(), result_ttl_s]
+def cancel_call(job_id: str, result_ttl_s: int) -> scripts.Call:
+    """The `jobs.scripts.cancel` of `job_id` now; a record canceled while queued lives
+    `result_ttl_s` seconds more. Raises JobNotFound for an id no job has."""
+    return scripts.cancel(checked_id(job_id), now=now(), ttl_s=result_ttl_s)
 
 
 def cancel_changed(job_id: str, outcome: bytes) -> bool:
-    """Decode ``scripts.CANCEL``'s reply: True if the cancel changed anything.
+    """Decode `jobs.scripts.cancel`'s reply: True if the cancel changed anything.
 
     Raises:
         JobNotFound: no such job.

@@ -20,6 +20,7 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from . import keys, stats
+from . import scripts as transitions
 from .defaults import DEFAULT_RESULT_TTL_S
 from .queues import job_id_of, move_to_intake, requeue_to_intake
 from .schema import now
@@ -50,12 +51,9 @@ def _reap_job(redis: Redis, scripts: Scripts, worker: str, job_id: str,
     """Requeue (or fail) one job of dead `worker` in one MULTI; returns REAP's outcome."""
     with redis.pipeline() as pipe:
         pipe.multi()
-        scripts.reap(
-            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-            args=[worker, 0, now(), result_ttl_s, "1", "WorkerLost",
-                  f"worker {worker} stopped heartbeating while holding the job"],
-            client=pipe,
-        )
+        scripts.run(transitions.reap(
+            job_id, worker, now=now(), ttl_s=result_ttl_s,
+            message=f"worker {worker} stopped heartbeating while holding the job"), client=pipe)
         requeue_to_intake(redis, job_id, pipe)  # a stray RQ job is skipped by START
         return pipe.execute()[0].decode()
 

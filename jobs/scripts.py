@@ -1,260 +1,183 @@
-"""Lua scripts for every read-then-write decision on a job.
+"""Every job transition as a Python function with named arguments (the Lua is `jobs.lua`).
 
-Each script touches one job's keys only (hash-tagged by job id, so one Redis Cluster slot)
-and is atomic with `cancel`: a job is never continued, published or restarted after a
-cancel landed, and a worker that lost the job (the fencing token ``worker`` + ``attempts``
-no longer matches) changes nothing.
+A function builds a `Call`: which script, and its KEYS and ARGV in the order the Lua reads
+them, so no caller spells a position. `Scripts(redis).run(call)` runs it (EVALSHA with a
+reload, as redis-py's `Script`; awaitable on a ``redis.asyncio`` client), in a pipeline
+when given ``client=pipe``; `worker.roundtrip` sends a call beside a chunk's other reads.
 """
 
 from __future__ import annotations
 
-from redis import Redis
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from redis.commands.core import Script
 
-# Shared prologue. KEYS[1] job hash, KEYS[2] cancel flag, KEYS[3] events channel;
-# ARGV[1] worker, ARGV[2] attempt, ARGV[3] now.
-_FENCE = """
-local state, worker, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'worker', 'attempts'))
-if state ~= 'prefilling' or worker ~= ARGV[1] or attempts ~= ARGV[2] then
-  return 'fenced'
-end
-"""
+from . import keys, lua
+from .defaults import MAX_ERROR_CHARS
 
-_CANCELED = """
-  redis.call('HSET', KEYS[1], 'state', 'canceled', 'cancel_requested', 0,
-             'updated_at', ARGV[3], 'finished_at', ARGV[3])
-  redis.call('DEL', KEYS[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('PUBLISH', KEYS[3], 'canceled')
-  return 'canceled'
-"""
+SOURCES = {
+    "start": lua.START, "progress": lua.PROGRESS, "publish": lua.PUBLISH, "fail": lua.FAIL,
+    "requeue": lua.REQUEUE, "reap": lua.REAP, "checkpoint_switch": lua.CHECKPOINT_SWITCH,
+    "cancel": lua.CANCEL, "refuse": lua.REFUSE, "release": lua.RELEASE, "take": lua.TAKE,
+}
 
-_CANCEL_IF_FLAGGED = "if redis.call('EXISTS', KEYS[2]) == 1 then" + _CANCELED + "end\n"
 
-# The per-chunk scripts read the fence and the cancel request in one HMGET (`CANCEL` sets
-# ``cancel_requested`` together with the flag key), so a chunk's checkpoint costs the
-# script, one read, one write and its progress event.
-_FENCE_READING_CANCEL = """
-local state, worker, attempts, requested = unpack(redis.call('HMGET', KEYS[1], 'state',
-                                                   'worker', 'attempts', 'cancel_requested'))
-if state ~= 'prefilling' or worker ~= ARGV[1] or attempts ~= ARGV[2] then
-  return 'fenced'
-end
-"""
-_CANCEL_IF_REQUESTED = "if requested == '1' then" + _CANCELED + "end\n"
+@dataclass(frozen=True)
+class Call:
+    """One invocation of script `name` (a key of `SOURCES`) with its KEYS and ARGV."""
 
-# A worker takes a queued job: state queued -> prefilling, attempts += 1.
-# KEYS[1] job, KEYS[2] events; ARGV[1] worker, ARGV[2] now, ARGV[3] a token unique to this
-# start, so a start retried after a lost reply finds its own start instead of a stranger's;
-# ARGV[4] the job's chunk plan (packed boundaries) or '': recorded at the first start only;
-# ARGV[5] to ARGV[10] its n_tokens, recovery_position, cursor (where this attempt starts),
-# cached_tokens (reused from a session's slot), reuse (`cold` or how the slot was reused)
-# and resumed_from (the cursor a KV checkpoint restored, or ''); absent when its input
-# failed.
-START = """
-local state, token, attempts = unpack(redis.call('HMGET', KEYS[1], 'state', 'start_token',
-                                                 'attempts'))
-if state == 'prefilling' and token == ARGV[3] then return {'started', tonumber(attempts)} end
-if state ~= 'queued' then return {state or 'missing', 0} end
-attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'state', 'prefilling', 'worker', ARGV[1], 'cursor', 0,
-           'chunks_done', 0, 'started_at', ARGV[2], 'updated_at', ARGV[2], 'start_token', ARGV[3],
-           'cancel_requested', 0)
-redis.call('HSETNX', KEYS[1], 'first_started_at', ARGV[2])
-if ARGV[4] and ARGV[4] ~= '' then redis.call('HSETNX', KEYS[1], 'chunk_plan', ARGV[4]) end
-if ARGV[5] and ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'n_tokens', ARGV[5], 'recovery_position', ARGV[6],
-             'cursor', ARGV[7], 'cached_tokens', ARGV[8], 'reuse', ARGV[9],
-             'resumed_from', ARGV[10])
-end
-redis.call('PUBLISH', KEYS[2], 'prefilling')
-return {'started', attempts}
-"""
+    name: str
+    keys: tuple[str, ...]
+    args: tuple = ()
 
-# After a chunk: record progress, then stop if canceled (the cursor says where it stopped).
-# ARGV[4] result TTL (s), ARGV[5] cursor, ARGV[6] chunks_done, ARGV[7] n_tokens,
-# ARGV[8] recovery_position.
-PROGRESS = (
-    _FENCE_READING_CANCEL
-    + """
-redis.call('HSET', KEYS[1], 'cursor', ARGV[5], 'chunks_done', ARGV[6], 'n_tokens', ARGV[7],
-           'recovery_position', ARGV[8], 'updated_at', ARGV[3])
-"""
-    + _CANCEL_IF_REQUESTED
-    + """
-redis.call('PUBLISH', KEYS[3], 'prefilling')
-return 'continue'
-"""
-)
 
-# The last chunk is done: publish logits and `finished` together, unless canceled or fenced.
-# KEYS[4] logits key; ARGV[5] result blob, ARGV[6] logits blob or '', ARGV[7] logits TTL,
-# ARGV[8] cursor, ARGV[9] chunks_done; KEYS[5] prompt logprobs key, ARGV[10] their blob or ''.
-PUBLISH = (
-    _FENCE_READING_CANCEL
-    + _CANCEL_IF_REQUESTED
-    + """
-if ARGV[6] ~= '' then
-  redis.call('SET', KEYS[4], ARGV[6], 'EX', ARGV[7])
-end
-if ARGV[10] and ARGV[10] ~= '' then
-  redis.call('SET', KEYS[5], ARGV[10], 'EX', ARGV[7])
-end
-redis.call('HSET', KEYS[1], 'state', 'finished', 'result', ARGV[5], 'cursor', ARGV[8],
-           'chunks_done', ARGV[9], 'updated_at', ARGV[3], 'finished_at', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('PUBLISH', KEYS[3], 'finished')
-return 'finished'
-"""
-)
+@dataclass(frozen=True)
+class Fence:
+    """The fencing token of a job's attempt: the worker holding it and the attempt number
+    its start was given. A fenced script changes nothing once either no longer matches."""
 
-# The job cannot go on: ARGV[5] error type, ARGV[6] message.
-FAIL = (
-    _FENCE
-    + """
-redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[5], 'error_message', ARGV[6],
-           'updated_at', ARGV[3], 'finished_at', ARGV[3])
-redis.call('DEL', KEYS[2])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('PUBLISH', KEYS[3], 'failed')
-return 'failed'
-"""
-)
+    worker: str
+    attempt: int
 
-# Back to intake at cursor 0, or `failed` once failures reach max_attempts. Canceled wins.
-# ARGV[5] '1' if a failure caused this (a SIGTERM hand-back is not one), ARGV[6] error
-# type, ARGV[7] message (used when the job fails).
-# A count that is not a number (junk written into Redis) reads as 0 failures and 1 attempt
-# allowed, so the script still decides instead of raising (which would stop a reap pass).
-_REQUEUE_BODY = """
-local failures = tonumber(redis.call('HGET', KEYS[1], 'failures')) or 0
-if ARGV[5] == '1' then
-  failures = failures + 1
-  redis.call('HSET', KEYS[1], 'failures', failures)
-end
-if failures >= (tonumber(redis.call('HGET', KEYS[1], 'max_attempts')) or 1) then
-  redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[6],
-             'error_message', ARGV[7], 'updated_at', ARGV[3], 'finished_at', ARGV[3])
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('PUBLISH', KEYS[3], 'failed')
-  return 'failed'
-end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '', 'cursor', 0, 'chunks_done', 0,
-           'updated_at', ARGV[3])
-redis.call('PUBLISH', KEYS[3], 'queued')
-return 'queued'
-"""
 
-# A worker hands a job back (failed chunk, SIGTERM); the caller enqueues the RQ job for
-# intake in the same MULTI (a stray RQ job for a non-queued job is skipped by START).
-REQUEUE = _FENCE + _CANCEL_IF_FLAGGED + _REQUEUE_BODY
+@dataclass(frozen=True)
+class StartCounts:
+    """What a start records beside ``prefilling``: the prompt's size in tokens, the recovery
+    position, where this attempt's cursor starts, the tokens reused from a session's slot,
+    how they were reused (``cold``, ...) and the cursor a KV checkpoint restored (None: not
+    resumed)."""
 
-# The reaper takes a dead worker's job: fenced on the worker only (ARGV[2] unused).
-REAP = (
-    """
-local state, worker = unpack(redis.call('HMGET', KEYS[1], 'state', 'worker'))
-if state ~= 'prefilling' or worker ~= ARGV[1] then return 'fenced' end
-"""
-    + _CANCEL_IF_FLAGGED
-    + _REQUEUE_BODY
-)
-
-# A checkpoint's blobs and record are all in the store: point the job at it, unless this
-# worker's attempt lost the job (a fenced writer must not overwrite the new holder's pointer).
-# KEYS[1] job; ARGV[1] worker, ARGV[2] attempt, ARGV[3] record key, ARGV[4] its cursor.
-CHECKPOINT_SWITCH = (
-    _FENCE
-    + """
-redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3], 'checkpoint_cursor', ARGV[4])
-return 'switched'
-"""
-)
-
-# Client cancel. KEYS[1] job, KEYS[2] cancel flag, KEYS[3] events; ARGV[1] now, ARGV[2] TTL.
-# queued -> canceled at once; prefilling -> flag for the worker; terminal -> unchanged.
-CANCEL = """
-local state, requested = unpack(redis.call('HMGET', KEYS[1], 'state', 'cancel_requested'))
-if not state then return 'missing' end
-if state == 'queued' then
-  redis.call('HSET', KEYS[1], 'state', 'canceled', 'updated_at', ARGV[1], 'finished_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-  redis.call('PUBLISH', KEYS[3], 'canceled')
-  return 'canceled'
-end
-if state == 'prefilling' then
-  if requested == '1' then return 'pending' end
-  redis.call('SET', KEYS[2], '1')
-  redis.call('HSET', KEYS[1], 'cancel_requested', 1, 'updated_at', ARGV[1])
-  redis.call('PUBLISH', KEYS[3], 'prefilling')
-  return 'requested'
-end
-return 'unchanged'
-"""
-
-# A worker refuses a job whose record does not decode (`jobs.errors.CorruptJob`): its
-# undecodable fields are dropped so that its status reads again, and unless it ended it fails
-# at once. A job a worker holds is left alone (its fence fields may be the ones to drop).
-# No fence otherwise: its attempt and worker fields may be the corrupt ones.
-# KEYS[1] job, KEYS[2] events; ARGV[1] now, ARGV[2] TTL (s), ARGV[3] error type,
-# ARGV[4] message, ARGV[5..] the fields to drop.
-REFUSE = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
-if state == 'prefilling' then return 'unchanged' end
-if #ARGV > 4 then redis.call('HDEL', KEYS[1], unpack(ARGV, 5)) end
-if state == 'finished' or state == 'failed' or state == 'canceled' then return 'unchanged' end
-redis.call('HSET', KEYS[1], 'state', 'failed', 'error_type', ARGV[3], 'error_message', ARGV[4],
-           'updated_at', ARGV[1], 'finished_at', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('PUBLISH', KEYS[2], 'failed')
-return 'failed'
-"""
-
-# A submit whose record Redis refused (maxmemory) gives its idempotency claim back, unless
-# another submit holds it now, so a retry with the same key is not answered with a job that
-# never existed. KEYS[1] the claim; ARGV[1] the refused job's id. (DEL is never refused.)
-RELEASE_CLAIM = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# A worker dequeues: pop the first RQ job of its queues, in order, and record it as being
-# taken by the worker in the same step, so a worker killed before it starts the job leaves
-# it to the reaper instead of losing it. KEYS[1] the worker's taking set, KEYS[2..] the RQ
-# queue lists. Like RQ's own multi-queue BLPOP these keys span slots: RQ's queues are not
-# Redis Cluster keys.
-TAKE = """
-for i = 2, #KEYS do
-  local id = redis.call('LPOP', KEYS[i])
-  if id then
-    redis.call('SADD', KEYS[1], id)
-    return {KEYS[i], id}
-  end
-end
-return false
-"""
-
-# A worker stops keeping a session's slot: forget it as the holder unless another worker
-# has taken the session over since. KEYS[1] the holder key; ARGV[1] the worker.
-RELEASE_SESSION = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+    n_tokens: int
+    recovery_position: int
+    cursor: int
+    cached_tokens: int
+    reuse: str
+    resumed_from: int | None
 
 
 class Scripts:
-    """The scripts registered on one connection (EVALSHA with a transparent reload)."""
+    """The scripts registered on one connection (sync or ``redis.asyncio``)."""
 
-    def __init__(self, redis: Redis):
-        self.start: Script = redis.register_script(START)
-        self.progress: Script = redis.register_script(PROGRESS)
-        self.publish: Script = redis.register_script(PUBLISH)
-        self.fail: Script = redis.register_script(FAIL)
-        self.requeue: Script = redis.register_script(REQUEUE)
-        self.reap: Script = redis.register_script(REAP)
-        self.cancel: Script = redis.register_script(CANCEL)
-        self.checkpoint_switch: Script = redis.register_script(CHECKPOINT_SWITCH)
-        self.release_session: Script = redis.register_script(RELEASE_SESSION)
-        self.refuse: Script = redis.register_script(REFUSE)
-        self.take: Script = redis.register_script(TAKE)
-        self.release_claim: Script = redis.register_script(RELEASE_CLAIM)
+    def __init__(self, redis):
+        self._scripts: dict[str, Script] = {n: redis.register_script(s)
+                                            for n, s in SOURCES.items()}
+
+    def script(self, call: Call) -> Script:
+        """The registered script `call` runs (its ``sha`` and source)."""
+        return self._scripts[call.name]
+
+    def run(self, call: Call, client=None):
+        """Run `call` on the connection, or queue it on `client` (a pipeline); returns the
+        script's reply (a coroutine of it on an asyncio connection)."""
+        return self._scripts[call.name](keys=list(call.keys), args=list(call.args),
+                                        client=client)
+
+
+def _job_keys(job_id: str) -> tuple[str, str, str]:
+    return keys.job(job_id), keys.cancel(job_id), keys.events(job_id)
+
+
+def start(job_id: str, *, worker: str, now: float, token: str, chunk_plan: bytes = b"",
+          counts: StartCounts | None = None) -> Call:
+    """Take a queued job: ``queued -> prefilling``, attempts + 1. Replies ``[outcome,
+    attempt]``: ``started`` (again for a retried start with the same `token`), else the
+    job's state or ``missing``.
+
+    Args:
+        token: unique to this start, so a start retried after a lost reply finds itself.
+        chunk_plan: the packed chunk plan, recorded at the job's first start only.
+        counts: the prefill's counts; None when its input failed (it fails next).
+    """
+    sizes = () if counts is None else (
+        counts.n_tokens, counts.recovery_position, counts.cursor, counts.cached_tokens,
+        counts.reuse, "" if counts.resumed_from is None else counts.resumed_from)
+    return Call("start", (keys.job(job_id), keys.events(job_id)),
+                (worker, now, token, chunk_plan, *sizes))
+
+
+def _fenced(name: str, job_id: str, fence: Fence, now: float, ttl_s: int, *args,
+            extra_keys: Sequence[str] = ()) -> Call:
+    return Call(name, (*_job_keys(job_id), *extra_keys),
+                (fence.worker, fence.attempt, now, ttl_s, *args))
+
+
+def progress(job_id: str, fence: Fence, *, now: float, ttl_s: int, cursor: int,
+             chunks_done: int, n_tokens: int, recovery_position: int) -> Call:
+    """Record a chunk's progress, then stop if a cancel was requested. Replies
+    ``continue``, ``canceled`` (the record lives `ttl_s` seconds more) or ``fenced``."""
+    return _fenced("progress", job_id, fence, now, ttl_s, cursor, chunks_done, n_tokens,
+                   recovery_position)
+
+
+def publish(job_id: str, fence: Fence, *, now: float, ttl_s: int, result: bytes,
+            logits: bytes, logits_ttl_s: int, cursor: int, chunks_done: int,
+            prompt_logprobs: bytes) -> Call:
+    """Publish the result (`jobs.result`) and ``finished`` together, unless canceled or
+    fenced. `logits` and `prompt_logprobs` are their blobs or ``b""`` (none asked for); they
+    live `logits_ttl_s` seconds. Replies ``finished``, ``canceled`` or ``fenced``."""
+    return _fenced("publish", job_id, fence, now, ttl_s, result, logits, logits_ttl_s,
+                   cursor, chunks_done, prompt_logprobs,
+                   extra_keys=(keys.logits(job_id), keys.prompt_logprobs(job_id)))
+
+
+def fail(job_id: str, fence: Fence, *, now: float, ttl_s: int, error_type: str,
+         message: str) -> Call:
+    """Fail the job with ``error.type`` `error_type` (the message cut to
+    ``MAX_ERROR_CHARS``). Replies ``failed`` or ``fenced``."""
+    return _fenced("fail", job_id, fence, now, ttl_s, error_type, message[:MAX_ERROR_CHARS])
+
+
+def requeue(job_id: str, fence: Fence, *, now: float, ttl_s: int,
+            failure: tuple[str, str] | None = None) -> Call:
+    """Hand the job back (cursor 0, ``queued``), or fail it once its failures reach
+    ``max_attempts``; canceled wins. `failure` ``(error type, message)`` counts toward
+    them; a hand-back (None) does not. The caller enqueues its RQ job in the same MULTI.
+    Replies ``queued``, ``failed``, ``canceled`` or ``fenced``."""
+    return _fenced("requeue", job_id, fence, now, ttl_s, *_failure_args(failure))
+
+
+def reap(job_id: str, worker: str, *, now: float, ttl_s: int, message: str) -> Call:
+    """The reaper takes dead `worker`'s job: as `requeue` with a ``WorkerLost`` failure,
+    fenced on the worker only."""
+    return _fenced("reap", job_id, Fence(worker, 0), now, ttl_s,
+                   *_failure_args(("WorkerLost", message)))
+
+
+def _failure_args(failure: tuple[str, str] | None) -> tuple[str, str, str]:
+    error_type, message = failure or ("", "")
+    return "1" if failure else "0", error_type, message[:MAX_ERROR_CHARS]
+
+
+def checkpoint_switch(job_id: str, fence: Fence, *, record_key: str, cursor: int) -> Call:
+    """Point the job at the KV checkpoint `record_key` (at `cursor`) once its blobs are all
+    stored, unless `fence` lost the job. Replies ``switched`` or ``fenced``."""
+    return Call("checkpoint_switch", (keys.job(job_id),),
+                (fence.worker, fence.attempt, record_key, cursor))
+
+
+def cancel(job_id: str, *, now: float, ttl_s: int) -> Call:
+    """A client's cancel: a queued job ends ``canceled`` at once (its record lives `ttl_s`
+    seconds more), a prefilling one is flagged for its worker. Replies ``canceled``,
+    ``requested``, ``pending`` (flagged before), ``unchanged`` (ended) or ``missing``."""
+    return Call("cancel", _job_keys(job_id), (now, ttl_s))
+
+
+def refuse(job_id: str, *, now: float, ttl_s: int, error_type: str, message: str,
+           drop_fields: Sequence[str] = ()) -> Call:
+    """Fail a job whose record does not decode, dropping `drop_fields` so its status reads
+    again; a held job is left alone. Replies ``failed``, ``unchanged`` or ``missing``."""
+    return Call("refuse", (keys.job(job_id), keys.events(job_id)),
+                (now, ttl_s, error_type, message[:MAX_ERROR_CHARS], *drop_fields))
+
+
+def release(key: str, owner: str) -> Call:
+    """Delete `key` only while it holds `owner` (an idempotency claim's job id, a session
+    holder's worker name). Replies 1 (deleted) or 0."""
+    return Call("release", (key,), (owner,))
+
+
+def take(taking_key: str, queue_keys: Sequence[str]) -> Call:
+    """Pop the first RQ job id of `queue_keys`, in order, and add it to the worker's taking
+    set `taking_key` in the same step. Replies ``[queue key, id]`` or None."""
+    return Call("take", (taking_key, *queue_keys))

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from jobs import keys
 from jobs.result import TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
 from model.prefill import Prefill, top_k
@@ -33,14 +32,6 @@ class ActiveJob:
     session: str | None = None  # the session whose slot `slot` is (checked out for the job)
     slot: Any = None
     checkpoints: JobCheckpoints | None = None  # None: this job is not checkpointed
-
-    @property
-    def keys(self) -> list[str]:
-        """KEYS of the fenced scripts: job hash, cancel flag, events channel, logits, prompt
-        logprobs."""
-        j = self.job_id
-        return [keys.job(j), keys.cancel(j), keys.events(j), keys.logits(j),
-                keys.prompt_logprobs(j)]
 
 
 def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:

@@ -4,7 +4,7 @@ Between chunks, a resident job whose last checkpoint is at least ``--checkpoint-
 old (in chunks or seconds) gets a new one: `CheckpointWriter` copies the rows since the last
 one out on the chunk loop's thread and writes them on its own, with at most one checkpoint in
 flight, so the next chunk computes meanwhile. Once every blob is in the store the job hash
-points at the new record (`jobs.scripts.CHECKPOINT_SWITCH`, under the job's fence). A job
+points at the new record (`jobs.scripts.checkpoint_switch`, under the job's fence). A job
 that restarts (lost worker, SIGTERM hand-back, failed chunk) resumes on any worker from its
 latest usable checkpoint (`worker.checkpoints.latest_usable`: a corrupt, expired or
 mismatched one falls back one checkpoint, else to cursor 0), on the same chunk boundaries.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from jobs import keys
+from jobs import keys, scripts
 from jobs.defaults import DEFAULT_SESSION_TTL_S
 from jobs.record import JobRecord
-from jobs.scripts import Scripts
+from jobs.scripts import Fence, Scripts
 from jobs.serializer import packb, unpackb
 from model.planner import ChunkPlan
 from model.prefill import Prefill
@@ -152,8 +152,8 @@ class Checkpointing:
                 record: CheckpointRecord) -> None:
         # runs on the writer's thread once every blob is in the store
         key = keys.checkpoint(job_id, record.seq, "record")
-        outcome = self.scripts.checkpoint_switch(
-            keys=[keys.job(job_id)], args=[self.worker, attempt, key, record.cursor])
+        outcome = self.scripts.run(scripts.checkpoint_switch(
+            job_id, Fence(self.worker, attempt), record_key=key, cursor=record.cursor))
         if outcome == b"switched":
             state.latest, state.key = record, key
             log.info("job %s checkpoint %d at %d in force, written in %.2f s (%d bytes with "

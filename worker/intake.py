@@ -9,7 +9,7 @@ msgpack or fields of the wrong type. None of it may stop the worker or touch ano
   and logs it, and the queue pops the next (RQ's own loop lets either exception end the
   worker).
 - `read_record` decodes a job's record; one that does not decode fails at once with
-  ``CorruptJob`` (`jobs.scripts.REFUSE`), its undecodable fields dropped so that its status
+  ``CorruptJob`` (`jobs.scripts.refuse`), its undecodable fields dropped so that its status
   reads again.
 """
 
@@ -23,7 +23,7 @@ from rq.exceptions import NoSuchJobError
 from rq.intermediate_queue import IntermediateQueue
 
 from jobs import keys, protocol, stats
-from jobs.defaults import MAX_ERROR_CHARS
+from jobs import scripts as transitions
 from jobs.errors import CorruptJob, UnknownModel
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord
@@ -58,7 +58,7 @@ def read_record(connection, scripts: Scripts, job_id: str, result_ttl_s: int
                 ) -> JobRecord | None:
     """`job_id`'s record, or None: it has none (expired; logged), or it does not decode or
     names no model, and then it is failed with ``CorruptJob`` (unless a worker holds it or
-    it ended: `jobs.scripts.REFUSE`; an ended one loses its undecodable fields only) and
+    it ended: `jobs.scripts.refuse`; an ended one loses its undecodable fields only) and
     counted.
 
     Args:
@@ -85,10 +85,9 @@ def refuse(connection, scripts: Scripts, job_id: str, error: CorruptJob,
            result_ttl_s: int) -> str:
     """Fail `job_id` with `error` (``REFUSE``), dropping ``error.fields``; returns the
     script's outcome (``failed``, ``unchanged`` or ``missing``)."""
-    outcome = scripts.refuse(
-        keys=[keys.job(job_id), keys.events(job_id)],
-        args=[now(), result_ttl_s, type(error).__name__, str(error)[:MAX_ERROR_CHARS],
-              *error.fields]).decode()
+    outcome = scripts.run(transitions.refuse(
+        job_id, now=now(), ttl_s=result_ttl_s, error_type=type(error).__name__,
+        message=str(error), drop_fields=error.fields)).decode()
     log.error("job %s: %s (%s)", job_id, error, outcome)
     ended = stats.terminal(outcome)
     if ended:

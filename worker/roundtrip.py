@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from redis import Redis
-from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from jobs import keys, stats
+from jobs.scripts import Call, Scripts
 
 
 @dataclass
@@ -51,9 +51,9 @@ class Reply:
     intake_waiting: bool = False
 
 
-def run_script(connection: Redis, script: Script, script_keys: Sequence[str],
-               args: Sequence, probe: Probe | None = None) -> Reply:
-    """Run `script` on `script_keys`/`args`, `probe`'s reads and its chunk's stats in one
+def run_script(connection: Redis, scripts: Scripts, call: Call,
+               probe: Probe | None = None) -> Reply:
+    """Run `call` (registered in `scripts`), `probe`'s reads and its chunk's stats in one
     round trip.
 
     Raises:
@@ -61,10 +61,11 @@ def run_script(connection: Redis, script: Script, script_keys: Sequence[str],
         maxmemory), after the probe's reads and the stats have run; never a stats error.
     """
     probe = probe or Probe()
-    replies = _send(connection, script, script_keys, args, probe, probe.chunk)
+    script = scripts.script(call)
+    replies = _send(connection, script, call, probe, probe.chunk)
     if isinstance(replies[0], NoScriptError):
         script.sha = connection.script_load(script.script)
-        replies = _send(connection, script, script_keys, args, probe, None)
+        replies = _send(connection, script, call, probe, None)
     n_flags = len(probe.others)
     replies = replies[:1 + n_flags + len(probe.queue_keys)]  # the stats' replies are dropped
     errors = [r for r in replies if isinstance(r, Exception)]
@@ -78,10 +79,10 @@ def run_script(connection: Redis, script: Script, script_keys: Sequence[str],
     )
 
 
-def _send(connection: Redis, script: Script, script_keys: Sequence[str], args: Sequence,
-          probe: Probe, chunk: tuple[float, int] | None) -> list:
+def _send(connection: Redis, script, call: Call, probe: Probe,
+          chunk: tuple[float, int] | None) -> list:
     with connection.pipeline(transaction=False) as pipe:
-        pipe.evalsha(script.sha, len(script_keys), *script_keys, *args)
+        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
         for job_id in probe.others:
             pipe.exists(keys.cancel(job_id))
         for key in probe.queue_keys:

@@ -25,7 +25,7 @@ from typing import Any
 
 from redis import Redis
 
-from jobs import keys
+from jobs import keys, scripts
 from jobs.defaults import DEFAULT_SESSION_SLOTS, DEFAULT_SESSION_TTL_S
 from jobs.scripts import Scripts
 
@@ -103,8 +103,8 @@ class SessionSlots:
             if session not in evicted:
                 pipe.set(keys.session_holder(session), self.worker, ex=self.ttl_s)
             for gone in evicted:
-                self._scripts.release_session(keys=[keys.session_holder(gone)],
-                                              args=[self.worker], client=pipe)
+                self._scripts.run(scripts.release(keys.session_holder(gone), self.worker),
+                                  client=pipe)
             pipe.execute()
         for gone in evicted:
             log.info("evicted session slot %s (%d slots, %d bytes kept)", gone,
@@ -114,7 +114,7 @@ class SessionSlots:
     def release(self, session: str) -> None:
         """Forget `session` here: drop its slot (kept or checked out) and its holder key."""
         self._kept.pop(session, None)
-        self._scripts.release_session(keys=[keys.session_holder(session)], args=[self.worker])
+        self._scripts.run(scripts.release(keys.session_holder(session), self.worker))
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.nbytes > self.max_bytes

@@ -4,7 +4,7 @@ A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admit
 (`Stepper.admit`): its record is decoded (`worker.intake.read_record`: one that does not
 decode fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, its ids
 validated (`worker.prepare`, `jobs.requests`) and planned, its cache allocated, and it is
-taken atomically (``queued -> prefilling``, `jobs.scripts.START`; the chunk plan is
+taken atomically (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan is
 recorded at its first start and reused by every later start); then its first chunk runs,
 and the next resident job's chunk is launched on the device (`Stepper.launch_next`) so
 RQ's bookkeeping overlaps it. Later chunks run in the worker's round-robin loop
@@ -27,14 +27,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jobs import keys, stats
-from jobs.defaults import MAX_ERROR_CHARS
+from jobs import keys, scripts, stats
 from jobs.limits import Limits
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
 from jobs.result import logits_blob
 from jobs.schema import JobState, LogitsMode, now
-from jobs.scripts import Scripts
+from jobs.scripts import Fence, Scripts, StartCounts
 from model.registry import LoadedModel
 
 from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
@@ -195,25 +194,24 @@ class Stepper:
         if prefill is not None and not self.admission.fits(prefill.cache.nbytes):
             self.admission.wait_for_room(job_id, loaded.name, record.priority)
             return None
-        plan, size = b"", []
+        plan, counts = b"", None
         if prefill is not None:
             if prepared.slot is None:  # a session job plans afresh at every start
                 plan = encode_field("chunk_plan", list(prefill.plan.boundaries))
-            size = [prefill.n_tokens, prefill.plan.recovery_position, prefill.cursor,
-                    prefill.cached_tokens, prefill.reuse,
-                    "" if prefill.resumed_from is None else prefill.resumed_from]
+            counts = StartCounts(prefill.n_tokens, prefill.plan.recovery_position,
+                                 prefill.cursor, prefill.cached_tokens, prefill.reuse,
+                                 prefill.resumed_from)
         if self.faults is not None:
             self.faults.pause("before_start", job_id, len(prefill.token_ids) if prefill else 0,
                               record.attempts + 1)
-        outcome, attempt = self.scripts.start(
-            keys=[keys.job(job_id), keys.events(job_id)],
-            args=[self.name, now(), uuid.uuid4().hex, plan, *size],
-        )
+        outcome, attempt = self.scripts.run(scripts.start(
+            job_id, worker=self.name, now=now(), token=uuid.uuid4().hex, chunk_plan=plan,
+            counts=counts))
         if outcome != b"started":
             log.info("job %s is %s; not starting it", job_id, outcome.decode())
             return None
         if prepared.error is not None:
-            self.fail(job_id, (self.name, int(attempt)), *prepared.error)
+            self.fail(job_id, Fence(self.name, int(attempt)), *prepared.error)
             return None
         return self._activate(record, loaded, prepared, int(attempt))
 
@@ -254,17 +252,18 @@ class Stepper:
 
     # -- transitions --------------------------------------------------------------------
 
-    def _fence_args(self, active: ActiveJob) -> list:
-        return [self.name, active.attempt, now(), self.result_ttl_s]
+    def _fence(self, active: ActiveJob) -> Fence:
+        return Fence(self.name, active.attempt)
 
     def record_progress(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
         """Record progress (fenced; canceled wins), with `probe`'s reads in the same round
         trip. On ``canceled`` or ``fenced`` the job is dropped here."""
         p = active.prefill
-        args = [*self._fence_args(active), p.cursor, p.chunks_done, p.n_tokens,
-                p.plan.recovery_position]
-        reply = run_script(self.connection, self.scripts.progress, active.keys[:3], args,
-                           probe)
+        call = scripts.progress(
+            active.job_id, self._fence(active), now=now(), ttl_s=self.result_ttl_s,
+            cursor=p.cursor, chunks_done=p.chunks_done, n_tokens=p.n_tokens,
+            recovery_position=p.plan.recovery_position)
+        reply = run_script(self.connection, self.scripts, call, probe)
         if reply.outcome != "continue":
             log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)
             self.drop(active, ended=stats.terminal(reply.outcome))
@@ -280,12 +279,15 @@ class Stepper:
         full = b""
         if active.logits_mode == LogitsMode.FULL:
             full = logits_blob(np.asarray(logits, dtype="<f4").tobytes())
-        args = [*self._fence_args(active), result_of(active, logits, prefill_s),
-                full, self.logits_ttl_s, p.cursor, p.chunks_done, prompt_logprobs_of_prefill(p)]
+        call = scripts.publish(
+            active.job_id, self._fence(active), now=finished, ttl_s=self.result_ttl_s,
+            result=result_of(active, logits, prefill_s), logits=full,
+            logits_ttl_s=self.logits_ttl_s, cursor=p.cursor, chunks_done=p.chunks_done,
+            prompt_logprobs=prompt_logprobs_of_prefill(p))
         if self.faults is not None:
             self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
                               attempt=active.attempt)
-        reply = run_script(self.connection, self.scripts.publish, active.keys, args, probe)
+        reply = run_script(self.connection, self.scripts, call, probe)
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
         if reply.outcome == "finished" and active.slot is not None and self.checkpointing:
@@ -293,14 +295,11 @@ class Stepper:
         self.drop(active, ended=stats.terminal(reply.outcome))
         return reply
 
-    def fail(self, job_id: str, fence: tuple[str, int], error_type: str, message: str) -> None:
+    def fail(self, job_id: str, fence: Fence, error_type: str, message: str) -> None:
         """Record ``failed`` with ``error.type`` `error_type` (fenced) and forget the job."""
-        worker, attempt = fence
-        outcome = self.scripts.fail(
-            keys=[keys.job(job_id), keys.cancel(job_id), keys.events(job_id)],
-            args=[worker, attempt, now(), self.result_ttl_s, error_type,
-                  message[:MAX_ERROR_CHARS]],
-        )
+        outcome = self.scripts.run(scripts.fail(job_id, fence, now=now(),
+                                                ttl_s=self.result_ttl_s,
+                                                error_type=error_type, message=message))
         active = self.active.pop(job_id, None)
         if active is not None and active.checkpoints is not None:
             self.checkpointing.ended(job_id, active.checkpoints)
@@ -318,14 +317,13 @@ class Stepper:
     def requeue(self, active: ActiveJob, failure: tuple[str, str] | None = None) -> None:
         """Hand `active` back to intake (its cache dies here); `failure` counts toward
         ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
-        error_type, message = failure or ("", "")
         if active.checkpoints is not None:  # the restart sees the checkpoint in flight
             self.checkpointing.flush()
-        args = [*self._fence_args(active), "1" if failure else "0", error_type,
-                message[:MAX_ERROR_CHARS]]
+        call = scripts.requeue(active.job_id, self._fence(active), now=now(),
+                               ttl_s=self.result_ttl_s, failure=failure)
         with self.connection.pipeline() as pipe:
             pipe.multi()
-            self.scripts.requeue(keys=active.keys[:3], args=args, client=pipe)
+            self.scripts.run(call, client=pipe)
             requeue_to_intake(self.connection, active.job_id, pipe)
             outcome = pipe.execute()[0].decode()
         log.info("job %s handed back: %s", active.job_id, outcome)
@@ -391,7 +389,7 @@ class Stepper:
         self.drop(active, deregister=False)
         message = (f"Redis refused a write of this job under its maxmemory/noeviction policy "
                    f"or size limit: {error}")
-        fence = (self.name, active.attempt)
+        fence = self._fence(active)
         self.parked.park(job_id, "failure", lambda: self.fail(job_id, fence, REDIS_OOM, message),
                    error)
 

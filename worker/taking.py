@@ -1,14 +1,14 @@
 """Dequeuing that a worker's death cannot lose a job to.
 
 RQ pops a job's id off its queue list before the worker runs it, and a prefillq job is
-taken (``queued -> prefilling``, `jobs.scripts.START`) only after it was tokenized, planned
+taken (``queued -> prefilling``, `jobs.scripts.start`) only after it was tokenized, planned
 and its cache allocated: a worker killed in between would leave the job ``queued`` in its
 record and in no queue, forever. So every pop is recorded in the worker's taking set
 (`jobs.keys.worker_taking`) until the job's one RQ execution returns (by then the job is
 held, in ``keys.worker_jobs``, or was put back or skipped), and the reaper re-enqueues the
 jobs a dead worker was taking (`jobs.reaper`).
 
-A queue that holds a job is popped and recorded in one step (`jobs.scripts.TAKE`; Redis
+A queue that holds a job is popped and recorded in one step (`jobs.scripts.take`; Redis
 lets a script that has popped go on writing under ``maxmemory``). A worker with nothing to
 pop waits in RQ's blocking pop (BLPOP) and records what it brings at once: only a death in
 that one round trip's gap can still lose the job (or, under ``maxmemory``, where the record
@@ -22,14 +22,13 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from redis import Redis
-from redis.commands.core import Script
 from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.job import Job
 from rq.utils import as_text
 
-from jobs import keys
-from jobs.scripts import TAKE
+from jobs import keys, scripts
+from jobs.scripts import Scripts
 
 from .connection import refused_write
 from .intake import fetch_or_drop
@@ -43,13 +42,13 @@ class TakingQueue(Queue):
     """
 
     taking_key: ClassVar[str] = ""
-    take_script: ClassVar[Script | None] = None
+    scripts: ClassVar[Scripts | None] = None
 
     @classmethod
     def for_worker(cls, name: str, connection: Redis) -> type[TakingQueue]:
         """The subclass that records worker `name`'s pops, taking through `connection`."""
         return type(cls.__name__, (cls,), {"taking_key": keys.worker_taking(name),
-                                           "take_script": connection.register_script(TAKE)})
+                                           "scripts": Scripts(connection)})
 
     @classmethod
     def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Redis,
@@ -83,7 +82,7 @@ class TakingQueue(Queue):
     def _pop(cls, connection: Redis, queue_keys: list[str], timeout: int | None):
         if not queue_keys:
             return None
-        popped = cls.take_script(keys=[cls.taking_key, *queue_keys], client=connection)
+        popped = cls.scripts.run(scripts.take(cls.taking_key, queue_keys), client=connection)
         if popped or timeout is None:
             return popped or None
         if timeout == 0:

@@ -10,10 +10,10 @@ import fakeredis
 import pytest
 import redis
 
-from jobs import keys
+from jobs import keys, scripts
 from jobs.record import JobRecord
 from jobs.schema import JobState
-from jobs.scripts import Scripts
+from jobs.scripts import Fence, Scripts
 from worker.checkpoints import FileStore, RedisStore, open_store
 from worker.checkpoints.record import BlobRef, CheckpointRecord, RecordError
 from worker.checkpoints.store import STALE_TEMP_S
@@ -143,8 +143,8 @@ def _job(r, state="prefilling", worker="w1", attempts=2) -> str:
 
 
 def switch(r, worker, attempt, record_key, cursor):
-    return Scripts(r).checkpoint_switch(keys=[keys.job("j1")],
-                                        args=[worker, attempt, record_key, cursor])
+    return Scripts(r).run(scripts.checkpoint_switch(
+        "j1", Fence(worker, attempt), record_key=record_key, cursor=cursor))
 
 
 def test_checkpoint_switch_points_the_job_at_the_record(redis_conn):

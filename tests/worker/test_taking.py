@@ -4,6 +4,8 @@ execution returns, and the reaper gives the jobs a dead worker was taking back t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from jobs import JobState, keys
 from jobs.queues import job_id_of
 from jobs.reaper import reap
@@ -33,7 +35,8 @@ def test_a_blocking_pop_is_recorded_too(setup, monkeypatch):
     worker, client = setup()
     job = client.submit(tokens=ids(20, 2), model=MODEL)
     # the job arrives while the worker waits: its first look (TAKE) found nothing
-    monkeypatch.setattr(worker.queue_class, "take_script", lambda **_: None)
+    monkeypatch.setattr(worker.queue_class, "scripts",
+                        SimpleNamespace(run=lambda call, client=None: None))
     job_, _ = worker.queue_class.dequeue_any(worker.admission.queues(worker.sticky), 1,
                                              connection=worker.connection,
                                              serializer=worker.serializer)
