@@ -14,13 +14,15 @@ from jobs import PrefillClient, PrefillResult, stats
 from model.registry import LoadedModel
 from worker.embedded import embedded_queue, url_connections
 from worker.redis_server import RedisServer, calls_since, command_calls
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .common import Recorder, log, prompt_ids
 
 
-def _queue(url: str, loaded: LoadedModel, **kwargs) -> tuple[PrefillWorker, PrefillClient]:
-    queue = embedded_queue({loaded.name: loaded}, url_connections(url), name="bench", **kwargs)
+def _queue(url: str, loaded: LoadedModel, **settings) -> tuple[PrefillWorker, PrefillClient]:
+    queue = embedded_queue({loaded.name: loaded}, url_connections(url), name="bench",
+                           settings=WorkerSettings(publish_tokenizers=False, **settings))
     return queue.worker, queue.client()
 
 
@@ -52,7 +54,7 @@ class QueuedPrefill:
 @contextmanager
 def queued_prefill(loaded: LoadedModel, top_k: int = 5, **worker_kwargs
                    ) -> Iterator[QueuedPrefill]:
-    """A `QueuedPrefill` of `loaded` on a fresh redis-server (`PrefillWorker` options in
+    """A `QueuedPrefill` of `loaded` on a fresh redis-server (`WorkerSettings` fields in
     `worker_kwargs`)."""
     with RedisServer() as server:
         worker, client = _queue(server.url, loaded, **worker_kwargs)

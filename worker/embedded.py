@@ -17,6 +17,7 @@ from redis import Redis
 
 from jobs import PrefillClient
 
+from .settings import WorkerSettings
 from .worker import PrefillWorker
 
 EMBEDDED_WORKER_NAME = "embedded"
@@ -52,17 +53,18 @@ class EmbeddedQueue:
 
 
 def embedded_queue(models: dict, connect: Callable[[], Redis] | None = None, *,
-                   name: str = EMBEDDED_WORKER_NAME, **worker_kwargs) -> EmbeddedQueue:
+                   name: str = EMBEDDED_WORKER_NAME,
+                   settings: WorkerSettings | None = None) -> EmbeddedQueue:
     """Start an embedded queue serving `models` (`model.registry.LoadedModel` by name).
 
     Args:
         connect: connection factory (default: a new fakeredis server).
         name: the worker's name.
-        worker_kwargs: `PrefillWorker` options (``chunk_tokens``, ``max_active``, ...;
-            ``publish_tokenizers`` defaults to False here).
+        settings: the worker's settings (default: the defaults, without publishing
+            tokenizers).
     """
     connect = connect or fakeredis_connections()
-    worker_kwargs.setdefault("publish_tokenizers", False)
-    worker = PrefillWorker(models, connect(), name=name, **worker_kwargs)
+    settings = settings or WorkerSettings(publish_tokenizers=False)
+    worker = PrefillWorker(models, connect(), settings, name=name)
     worker.register_models()
     return EmbeddedQueue(worker, connect)

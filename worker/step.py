@@ -7,8 +7,8 @@ validated (`worker.prepare`, `jobs.requests`) and planned, its cache allocated, 
 taken atomically (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan is
 recorded at its first start and reused by every later start); then its first chunk runs,
 and the next resident job's chunk is launched on the device (`Stepper.launch_next`) so
-RQ's bookkeeping overlaps it. Later chunks run in the worker's round-robin loop
-(`Stepper.advance_next`), one chunk of one resident job per call. After every chunk one
+RQ's bookkeeping overlaps it. Later chunks run in the steps the scheduler picks
+(`worker.scheduler`, `Stepper.run`). After every chunk one
 round trip (`worker.roundtrip`) records the cursor or publishes the logits (one fenced
 script; canceled wins), counts the chunk (`jobs.stats`), and reads the other jobs' cancel
 flags and whether intake holds a job.
@@ -23,12 +23,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
 
 import numpy as np
 
 from jobs import keys, scripts, stats
-from jobs.limits import Limits
 from jobs.queues import requeue_to_intake
 from jobs.record import JobRecord, encode_field
 from jobs.result import logits_blob
@@ -37,7 +35,6 @@ from jobs.scripts import Fence, Scripts, StartCounts
 from model.registry import LoadedModel
 
 from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
-from .admission import Admission
 from .checkpointing import Checkpointing, JobCheckpoints
 from .connection import refused_write
 from .faults import FaultPlan
@@ -45,7 +42,9 @@ from .intake import not_served, read_record
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
 from .roundtrip import Probe, Reply, run_script
+from .scheduler import Scheduler, Step
 from .sessions import SessionSlots
+from .settings import WorkerSettings
 
 log = logging.getLogger("prefillq.worker")
 
@@ -60,39 +59,33 @@ class Stepper:
         connection: Redis connection (bytes replies).
         name: the worker's name (the fencing token's worker part).
         models: loaded models by registry name.
-        admit_from: the Redis keys of the queues the worker would admit from now (empty
-            while it has no room); their lengths ride along with every chunk's round trip.
-        admission: the worker's admission policy; it reads `active`.
-        chunk_tokens: cap on chunk size when this worker plans a job.
-        result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
+        scheduler: the worker's scheduler: it owns the resident jobs and their turns, and
+            names the queues whose lengths ride along with every chunk's round trip.
+        settings: the worker's settings (its chunk cap, TTLs and limits are used here).
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
-        limits: what a job may ask for, checked again at its start (`worker.prepare`).
         faults: the test-only fault plan (`worker.faults`); None in production.
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
-                 admission: Admission, admit_from: Callable[[], list[str]], *,
-                 chunk_tokens: int | None, result_ttl_s: int, logits_ttl_s: int,
+                 scheduler: Scheduler, settings: WorkerSettings, *,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None, limits: Limits | None = None,
-                 faults: FaultPlan | None = None):
+                 checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None):
         self.connection, self.name, self.models = connection, name, models
         self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
-        self.admission, self.admit_from = admission, admit_from
-        self.chunk_tokens, self.limits = chunk_tokens, limits or Limits()
-        self.result_ttl_s, self.logits_ttl_s = result_ttl_s, logits_ttl_s
+        self.scheduler = scheduler
+        self.chunk_tokens, self.limits = settings.chunk_tokens, settings.limits
+        self.result_ttl_s, self.logits_ttl_s = settings.result_ttl_s, settings.logits_ttl_s
         self.scripts = Scripts(connection)
-        self.active: dict[str, ActiveJob] = admission.active
+        self.active = scheduler.resident  # read here; changed through the scheduler only
         self.parked = ParkedWrites()  # transitions Redis refused, retried by `settle`
-        self.intake_waiting = True  # as of the last round trip: a queue to admit from holds one
 
     # -- the chunk step -----------------------------------------------------------------
 
     def admit(self, job_id: str) -> None:
         """Start `job_id` and run its first chunk (the body of ``advance_prefill``, the one
-        RQ execution of a job); its later chunks run from `advance_next`. A write Redis
-        refuses fails or parks this job, never the worker."""
+        RQ execution of a job); its later chunks run in the steps the scheduler picks
+        (`run`). A write Redis refuses fails or parks this job, never the worker."""
         if job_id in self.active:  # a stray execution: the resident loop owns this job
             log.debug("job %s is resident already", job_id)
             return
@@ -100,17 +93,19 @@ class Stepper:
         self.launch_next()
 
     def launch_next(self) -> None:
-        """Start the chunk of the resident job whose turn it is on the device without
-        waiting (`Prefill.launch`), so what runs before `advance_next` (RQ's bookkeeping of
-        an admission) overlaps its forward pass instead of leaving the device idle. The turn
-        order and what the last round trip decided are unchanged."""
-        if self.active:
-            next(iter(self.active.values())).prefill.launch()
+        """Start the step whose turn it is on the device without waiting
+        (`Prefill.launch`), so what runs before it is run (RQ's bookkeeping of an admission)
+        overlaps its forward pass instead of leaving the device idle. The turn order and
+        what the last round trip decided are unchanged."""
+        step = self.scheduler.next_step()
+        for active in step.jobs if step else ():
+            active.prefill.launch()
 
-    def advance_next(self) -> None:
-        """Run one chunk of the resident job whose turn it is (round-robin)."""
-        active = next(iter(self.active.values()))
-        self._guarded(active.job_id, self._run_chunk, active)
+    def run(self, step: Step) -> None:
+        """Run one chunk of each job of `step` (the scheduler's `Run`)."""
+        for active in step.jobs:
+            if active.job_id in self.active:  # an earlier job's round trip may cancel it
+                self._guarded(active.job_id, self._run_chunk, active)
 
     def _guarded(self, job_id: str, step, *args) -> None:
         try:
@@ -125,8 +120,8 @@ class Stepper:
         if active is None:
             return
         if active.prefill.done:  # an exact session hit: no forward pass to run
-            reply = self.publish(active, Probe(queue_keys=self.admit_from()))
-            self.intake_waiting = reply.intake_waiting
+            reply = self.publish(active, Probe(queue_keys=self.scheduler.queue_keys()))
+            self.scheduler.saw_intake(reply.intake_waiting)
             return
         self._run_chunk(active)
 
@@ -135,7 +130,6 @@ class Stepper:
         counts the chunk (its wall seconds, logged here, and tokens) and brings back the
         other resident jobs' cancel flags and whether intake is waiting."""
         job_id, p = active.job_id, active.prefill
-        self.active[job_id] = self.active.pop(job_id)  # its next turn comes after the others'
         try:
             n = p.step()
         except Exception as error:  # the job's boundary: record it, keep serving
@@ -147,9 +141,9 @@ class Stepper:
             job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
         )
         probe = Probe(others=[j for j in self.active if j != job_id],
-                      queue_keys=self.admit_from(), chunk=(dt, n))
+                      queue_keys=self.scheduler.queue_keys(), chunk=(dt, n))
         reply = self.publish(active, probe) if p.done else self.record_progress(active, probe)
-        self.intake_waiting = reply.intake_waiting
+        self.scheduler.saw_intake(reply.intake_waiting)
         if job_id in self.active and active.checkpoints is not None:
             self.checkpointing.after_chunk(active)
         for other in reply.canceled:  # released within one chunk time of the cancel
@@ -191,8 +185,8 @@ class Stepper:
     def _take(self, record: JobRecord, loaded: LoadedModel | None, prepared: Prepared
               ) -> ActiveJob | None:
         job_id, prefill = record.job_id, prepared.prefill
-        if prefill is not None and not self.admission.fits(prefill.cache.nbytes):
-            self.admission.wait_for_room(job_id, loaded.name, record.priority)
+        if prefill is not None and not self.scheduler.fits(prefill.cache.nbytes):
+            self.scheduler.wait_for_room(job_id, loaded.name, record.priority)
             return None
         plan, counts = b"", None
         if prefill is not None:
@@ -235,7 +229,7 @@ class Stepper:
         )
         if self.faults is not None:
             self.faults.install(active)
-        self.active[record.job_id] = active
+        self.scheduler.add(active)
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
         if active.session is not None:  # before its publish: the next turn is routed here
             self.sessions.claim(active.session)
@@ -300,7 +294,7 @@ class Stepper:
         outcome = self.scripts.run(scripts.fail(job_id, fence, now=now(),
                                                 ttl_s=self.result_ttl_s,
                                                 error_type=error_type, message=message))
-        active = self.active.pop(job_id, None)
+        active = self.scheduler.remove(job_id)
         if active is not None and active.checkpoints is not None:
             self.checkpointing.ended(job_id, active.checkpoints)
         self._forget(job_id, ended=stats.terminal(outcome))
@@ -352,8 +346,7 @@ class Stepper:
         or kept as its session's slot at its last committed chunk; room for the next job. A
         job that `ended` (its script's terminal state) has its checkpoints deleted, counted."""
         active.prefill.abandon()
-        self.active.pop(active.job_id, None)
-        self.admission.room_freed()
+        self.scheduler.remove(active.job_id)
         if ended and active.checkpoints is not None:
             self.checkpointing.ended(active.job_id, active.checkpoints)
         if active.slot is not None:

@@ -3,7 +3,7 @@
 The model and every admitted job's KV cache live in this process across RQ executions, so
 the worker runs jobs in its own process (RQ's `SimpleWorker`,
 https://python-rq.org/docs/workers/). This module holds the RQ hooks only: which queues are
-read (`worker.admission`), which RQ jobs may run (`jobs.queues.refusal`: only
+read (`worker.scheduler`), which RQ jobs may run (`jobs.queues.refusal`: only
 `jobs.queues.ADMIT_FUNCTION` with one job id, no callbacks or webhooks), start
 and shutdown. The chunk step and its transitions are in `worker.step`, liveness in
 `worker.heartbeat`, the Redis retry policy in `worker.connection`.
@@ -32,28 +32,22 @@ from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
 from jobs.client import redacted
-from jobs.defaults import (
-    DEFAULT_HEARTBEAT_TTL_S,
-    DEFAULT_LOGITS_TTL_S,
-    DEFAULT_MAX_ACTIVE,
-    DEFAULT_RESULT_TTL_S,
-    DEFAULT_SESSION_SLOTS,
-)
+from jobs.defaults import DEFAULT_MAX_ACTIVE
 from jobs.errors import JobRefused
-from jobs.limits import Limits
 from jobs.queues import AdmissionJob, intake_queue, move_to_intake, refusal, sticky_queue
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
 from .active import ActiveJob
-from .admission import Admission
-from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
+from .checkpoint_policy import CheckpointPolicy
 from .checkpointing import Checkpointing
 from .checkpoints import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write, until_accepted
 from .faults import FaultPlan
 from .heartbeat import Heartbeat
+from .scheduler import Admit, Idle, Run, Scheduler
 from .sessions import SessionSlots
+from .settings import WorkerSettings
 from .step import Stepper
 from .taking import TakingQueue, taken
 
@@ -107,85 +101,55 @@ class PrefillWorker(SimpleWorker):
         models: loaded models by registry name.
         connection: Redis connection (bytes responses); `worker.connection.worker_connection`
             gives one that rides out outages.
+        settings: how it serves (`WorkerSettings`; default: every default).
         name: worker name (also names its own queue); default host-pid-random.
-        chunk_tokens: cap on chunk size in tokens when this worker plans a job (a job's own
-            cap may be smaller; a job planned before keeps its recorded plan).
-        max_active: jobs resident at once.
-        kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
-        result_ttl_s, logits_ttl_s: lifetime of a terminal job's record and full logits.
-        heartbeat_ttl_s: the worker counts as dead this long after its last heartbeat.
-        session_slots, session_bytes: bounds on the session slots kept between a session's
-            jobs (`worker.sessions.SessionSlots`; least recently used evicted first).
-        checkpoint_store: where KV checkpoints go (`worker.checkpoints.open_store`: None for
-            this queue's Redis, ``redis://...``, ``file:///dir``).
-        checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
-        checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
-        publish_tokenizers: publish each model's tokenizer for clients that tokenize
-            (`worker.heartbeat.Heartbeat.publish_tokenizer`).
-        limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
-            whatever client enqueued it; a job over them fails with the typed error.
     Raises:
-        ValueError: a bad `checkpoint_store` or `checkpoint_every`, or a ``$PREFILLQ_FAULTS``
-            that does not parse (`worker.faults`: fault injection, for tests only).
+        ValueError: no models, a bad ``settings.checkpoint_store`` or
+            ``settings.checkpoint_every``, or a ``$PREFILLQ_FAULTS`` that does not parse
+            (`worker.faults`: fault injection, for tests only).
     """
 
     death_penalty_class = NoDeathPenalty
     job_class = AdmissionJob  # runs only the allow-listed job function (`jobs.queues.refusal`)
 
-    def __init__(
-        self,
-        models: dict[str, LoadedModel],
-        connection,
-        *,
-        name: str | None = None,
-        chunk_tokens: int | None = None,
-        max_active: int = DEFAULT_MAX_ACTIVE,
-        kv_budget_bytes: int | None = None,
-        result_ttl_s: int = DEFAULT_RESULT_TTL_S,
-        logits_ttl_s: int = DEFAULT_LOGITS_TTL_S,
-        heartbeat_ttl_s: int = DEFAULT_HEARTBEAT_TTL_S,
-        session_slots: int = DEFAULT_SESSION_SLOTS,
-        session_bytes: int | None = None,
-        checkpoint_store: str | None = None,
-        checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY,
-        checkpoint_max_bytes: int | None = None,
-        publish_tokenizers: bool = True,
-        limits: Limits | None = None,
-    ):
+    def __init__(self, models: dict[str, LoadedModel], connection,
+                 settings: WorkerSettings | None = None, *, name: str | None = None):
         if not models:
             raise ValueError("a worker needs at least one model")
+        settings = settings or WorkerSettings()
         name = name or default_worker_name()
-        self.models = models
-        self.heartbeat_ttl_s = max(1, heartbeat_ttl_s)
+        self.models, self.settings = models, settings
+        self.heartbeat_ttl_s = max(1, settings.heartbeat_ttl_s)
         self.sticky = sticky_queue(connection, name)
         intake = [intake_queue(connection, m) for m in models]
         super().__init__([self.sticky, *intake], connection=connection, name=name,
                          serializer=MsgpackSerializer)
         # its pops are recorded for the reaper, and junk ids among them dropped
         self.queue_class = TakingQueue.for_worker(name, connection)
+        # (named apart from RQ's own `scheduler`, its scheduler of RQ jobs for later); the
         # priorities in use are re-read as often as the worker beats (a few per TTL)
-        self.admission = Admission(connection, list(models), {}, max_active=max_active,
-                                   kv_budget_bytes=kv_budget_bytes,
-                                   refresh_s=self.heartbeat_ttl_s / 6)
-        self.sessions = SessionSlots(connection, name, max_slots=session_slots,
-                                     max_bytes=session_bytes)
-        policy = CheckpointPolicy.parse(checkpoint_every or "none")
+        self.prefill_scheduler = Scheduler(connection, list(models), self.sticky,
+                                           max_active=settings.max_active,
+                                           kv_budget_bytes=settings.kv_budget_bytes,
+                                           refresh_s=self.heartbeat_ttl_s / 6)
+        self.sessions = SessionSlots(connection, name, max_slots=settings.session_slots,
+                                     max_bytes=settings.session_bytes)
+        every, store = settings.checkpoint_every, settings.checkpoint_store
+        policy = CheckpointPolicy.parse(every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else
-                                  f"KV checkpoints: every {checkpoint_every} to "
-                                  f"{redacted(checkpoint_store or 'the queue Redis')}")
+                                  f"KV checkpoints: every {every} to "
+                                  f"{redacted(store or 'the queue Redis')}")
         self.checkpointing = None if policy is None else Checkpointing(
-            connection, name, open_store(checkpoint_store, connection), policy,
-            ttl_s=result_ttl_s, max_bytes=checkpoint_max_bytes)
-        self.stepper = Stepper(connection, name, models, self.admission, self._admit_from,
-                               chunk_tokens=chunk_tokens, result_ttl_s=result_ttl_s,
-                               logits_ttl_s=logits_ttl_s, sessions=self.sessions,
-                               checkpointing=self.checkpointing, limits=limits or Limits(),
+            connection, name, open_store(store, connection), policy,
+            ttl_s=settings.result_ttl_s, max_bytes=settings.checkpoint_max_bytes)
+        self.stepper = Stepper(connection, name, models, self.prefill_scheduler, settings,
+                               sessions=self.sessions, checkpointing=self.checkpointing,
                                faults=FaultPlan.from_env())
         self._rq_beat_at = 0.0
         self._swept_at = time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
-                                  result_ttl_s=result_ttl_s, on_beat=self._on_beat,
-                                  publish_tokenizers=publish_tokenizers)
+                                  result_ttl_s=settings.result_ttl_s, on_beat=self._on_beat,
+                                  publish_tokenizers=settings.publish_tokenizers)
         self._stop_signal = "SIGTERM"
 
     def _on_beat(self) -> None:
@@ -198,7 +162,7 @@ class PrefillWorker(SimpleWorker):
     @property
     def active(self) -> dict[str, ActiveJob]:
         """The jobs whose KV caches this worker holds, by job id."""
-        return self.stepper.active
+        return self.prefill_scheduler.resident
 
     def register_models(self) -> None:
         """Advertise this worker's models (vocab, context) so clients can validate submits."""
@@ -207,9 +171,6 @@ class PrefillWorker(SimpleWorker):
     def advance(self, job_id: str) -> None:
         """Admit `job_id` and run its first chunk (the body of ``advance_prefill``)."""
         self.stepper.admit(job_id)
-
-    def _admit_from(self) -> list[str]:
-        return [q.key for q in self.admission.queues(self.sticky)]
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown)."""
@@ -239,24 +200,27 @@ class PrefillWorker(SimpleWorker):
             _unless_refused("RQ's STARTED state", super().set_state, state, pipeline)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-        # RQ asks for the next execution; while jobs are resident, their chunks run here,
-        # round-robin, and a job waiting in a queue with room is returned to RQ for its one
-        # execution (admission) as soon as the last round trip showed one. With nothing
+        # RQ asks for the next execution. The scheduler decides: a job to admit is returned
+        # to RQ for its one execution; a step of resident jobs runs here; with nothing
         # resident, block on intake as RQ does. While Redis refuses RQ's own writes
         # (maxmemory), wait for room instead of quitting.
         while True:
             self.stepper.settle()
-            if self.active and not self._stop_requested:
-                if self.get_state() != WorkerStatus.BUSY:  # a SIGTERM now waits for the chunk
-                    self.set_state(WorkerStatus.BUSY)
-                admitted = self._admit_between_chunks()
-                if admitted is not None:
-                    return admitted
-                self.stepper.advance_next()
-                self._maintain()
-                continue
             if self._stop_requested:
                 return None
+            decision = self.prefill_scheduler.schedule()
+            if isinstance(decision, Admit):
+                admitted = self._dequeue(decision.queues)
+                if admitted is not None:
+                    return admitted
+                continue
+            if isinstance(decision, Run):
+                if self.get_state() != WorkerStatus.BUSY:  # a SIGTERM now waits for the chunk
+                    self.set_state(WorkerStatus.BUSY)
+                self.stepper.run(decision.step)
+                self._maintain()
+                continue
+            assert isinstance(decision, Idle)
             try:
                 return self._block_on_intake(timeout, max_idle_time)
             except Exception as error:
@@ -271,25 +235,18 @@ class PrefillWorker(SimpleWorker):
         again, so a job of a priority no queue had before is seen within one wait."""
         idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
         while True:
-            self.admission.forget_priorities()
-            self._ordered_queues = self.admission.queues(self.sticky) or [self.sticky]
+            self._ordered_queues = self.prefill_scheduler.idle_queues()
             if timeout is None:
                 return super().dequeue_job_and_maintain_ttl(None, max_idle_time)
-            wait = max(1, math.ceil(self.admission.refresh_s))
+            wait = max(1, math.ceil(self.prefill_scheduler.refresh_s))
             result = super().dequeue_job_and_maintain_ttl(wait, wait)
             if result is not None or self._stop_requested:
                 return result
             if idle_until is not None and time.monotonic() >= idle_until:
                 return None
 
-    def _admit_between_chunks(self) -> tuple[Job, Queue] | None:
-        """A job to admit now, without blocking, if the last round trip saw one waiting."""
-        if not self.stepper.intake_waiting:
-            return None
-        queues = self.admission.queues(self.sticky)
-        if not queues:
-            return None
-        self.stepper.intake_waiting = False  # until the next round trip says otherwise
+    def _dequeue(self, queues: list[Queue]) -> tuple[Job, Queue] | None:
+        """The first job waiting in `queues`, without blocking (None if they are empty)."""
         result = self.queue_class.dequeue_any(
             queues, None, connection=self.connection, job_class=self.job_class,
             serializer=self.serializer, death_penalty_class=self.death_penalty_class)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jobs import JobFailed, JobState, JobTimeout, PrefillClient, keys
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 MODEL = "gemma3-270m"
@@ -28,7 +29,8 @@ def long_ids(reference_cases, n: int, offset: int = 0) -> list[int]:
 
 
 def make_worker(connect, gemma, **kwargs) -> PrefillWorker:
-    worker = PrefillWorker({MODEL: gemma}, connect(), name=kwargs.pop("name", "w1"), **kwargs)
+    name = kwargs.pop("name", "w1")
+    worker = PrefillWorker({MODEL: gemma}, connect(), WorkerSettings(**kwargs), name=name)
     worker.register_models()
     return worker
 
@@ -149,8 +151,9 @@ def test_nothing_is_pickled_and_terminal_keys_expire(redis_conn, tiny):
     from jobs.serializer import unpackb
 
     conn = redis_conn()
-    worker = PrefillWorker({"gemma3-tiny": tiny}, conn, name="w1", chunk_tokens=16,
-                           result_ttl_s=600, logits_ttl_s=60)
+    worker = PrefillWorker({"gemma3-tiny": tiny}, conn,
+                           WorkerSettings(chunk_tokens=16, result_ttl_s=600, logits_ttl_s=60),
+                                          name="w1")
     worker.register_models()
     client = PrefillClient(redis_conn(), result_ttl_s=600)
     done = client.submit(tokens=[2, *range(300, 340)], model="gemma3-tiny", logits="full")
@@ -189,7 +192,8 @@ def test_deepseek4_tiny_runs_through_the_queue_like_gemma(redis_conn, caplog):
     from model.registry import load_model
 
     ds4 = load_model("deepseek4-tiny")
-    worker = PrefillWorker({"deepseek4-tiny": ds4}, redis_conn(), name="w1", chunk_tokens=37)
+    worker = PrefillWorker({"deepseek4-tiny": ds4}, redis_conn(),
+                           WorkerSettings(chunk_tokens=37), name="w1")
     worker.register_models()
     client = PrefillClient(redis_conn())
     rng = np.random.default_rng(4)

@@ -15,6 +15,7 @@ import pytest
 from jobs import JobState, PrefillClient, keys
 from tests.integration.processes import GatewayProcess, wait_for
 from tests.jobs.test_gateway_completions import assert_spelled
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 MODEL = "smollm2-135m"
@@ -41,7 +42,8 @@ def relative_diff(got: np.ndarray, expected: np.ndarray) -> float:
 
 
 def test_session_turns_reuse_live_anchor_and_reset_and_equal_cold(connect, smollm2):
-    worker = PrefillWorker({MODEL: smollm2}, connect(), name="w1", chunk_tokens=CHUNK)
+    worker = PrefillWorker({MODEL: smollm2}, connect(),
+                           WorkerSettings(chunk_tokens=CHUNK), name="w1")
     worker.register_models()
     client = PrefillClient(connect())
     first = [{"role": "system", "content": SYSTEM},
@@ -66,7 +68,8 @@ def test_session_turns_reuse_live_anchor_and_reset_and_equal_cold(connect, smoll
 
 
 def test_prompt_logprobs_equal_in_process(connect, smollm2):
-    worker = PrefillWorker({MODEL: smollm2}, connect(), name="w1", chunk_tokens=CHUNK)
+    worker = PrefillWorker({MODEL: smollm2}, connect(),
+                           WorkerSettings(chunk_tokens=CHUNK), name="w1")
     worker.register_models()
     client = PrefillClient(connect())
     ids = smollm2.tokenizer.encode("The capital of France is Paris, and the capital of "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.helpers import CHUNK, MODEL
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 
@@ -12,6 +13,6 @@ from worker.worker import PrefillWorker
 def worker(connect, tiny):
     """A worker serving the tiny Gemma 3 in `CHUNK`-token chunks on `connect`'s server,
     its model registered (run it in burst mode to do the work)."""
-    w = PrefillWorker({MODEL: tiny}, connect(), name="w1", chunk_tokens=CHUNK)
+    w = PrefillWorker({MODEL: tiny}, connect(), WorkerSettings(chunk_tokens=CHUNK), name="w1")
     w.register_models()
     return w

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import Limits, PrefillClient
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .events import EventLog
@@ -36,8 +37,10 @@ def stack(redis_conn, tiny64):
 
     def make(worker_limits: Limits | None = None, client_limits: Limits | None = None,
              **options):
-        worker = PrefillWorker({MODEL: tiny64}, redis_conn(), name=options.pop("name", "w1"),
-                               publish_tokenizers=False, limits=worker_limits, **options)
+        name = options.pop("name", "w1")
+        settings = WorkerSettings(publish_tokenizers=False, limits=worker_limits or Limits(),
+                                  **options)
+        worker = PrefillWorker({MODEL: tiny64}, redis_conn(), settings, name=name)
         worker.register_models()
         return worker, PrefillClient(redis_conn(), limits=client_limits or Limits())
 

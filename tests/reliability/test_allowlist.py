@@ -25,6 +25,7 @@ from jobs import JobState, PrefillClient
 from jobs.queues import ADMIT_FUNCTION, intake_queue, rq_queue_key, sticky_queue
 from jobs.serializer import MsgpackSerializer, packb
 from tests.worker.helpers import CHUNK, MODEL, ids
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 EVIL_MODULE = "prefillq_evil_hook"
@@ -39,8 +40,8 @@ def conn(redis_server):
 
 @pytest.fixture
 def worker(redis_server, tiny, conn):
-    w = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server), name="al1",
-                      chunk_tokens=CHUNK)
+    w = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server),
+                      WorkerSettings(chunk_tokens=CHUNK), name="al1")
     w.register_models()
     return w
 

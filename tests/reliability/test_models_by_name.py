@@ -18,6 +18,7 @@ from jobs.limits import Limits
 from jobs.protocol import submitted_record
 from jobs.queues import enqueue_admission, intake_queue, sticky_queue
 from tests.worker.helpers import CHUNK, MODEL, ids
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 
@@ -78,8 +79,8 @@ def conn(redis_server):
 
 @pytest.fixture
 def worker(redis_server, tiny, conn):
-    w = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server), name="mn1",
-                      chunk_tokens=CHUNK)
+    w = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server),
+                      WorkerSettings(chunk_tokens=CHUNK), name="mn1")
     w.register_models()
     return w
 
@@ -145,7 +146,8 @@ def test_a_job_routed_to_a_worker_without_its_model_goes_to_its_intake(conn, wor
     from model.registry import load_model
 
     other = PrefillWorker({"deepseek4-tiny": load_model("deepseek4-tiny")},
-                          redis.Redis.from_url(redis_server), name="mn2", chunk_tokens=CHUNK)
+                          redis.Redis.from_url(redis_server), WorkerSettings(chunk_tokens=CHUNK),
+                          name="mn2")
     other.register_models()
     # as a session's next job is routed to the worker that kept the session
     job_id = raw_job(conn, "deepseek4-tiny", sticky_queue(conn, "mn1"), list(range(2, 40)))

@@ -16,6 +16,7 @@ from jobs import JobFailed, JobState, PrefillClient
 from jobs.queues import ADMIT_FUNCTION, intake_queue
 from jobs.serializer import unpackb
 from tests.worker.helpers import CHUNK, MODEL, OnChunk, ids
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .pickles import all_values, is_pickle, pickled, unwrapped
@@ -63,8 +64,9 @@ def test_the_scan_reads_every_kind_of_key(conn):
 
 
 def test_no_value_in_redis_is_a_pickle_after_jobs_of_every_kind(conn, redis_server, tiny):
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server), name="np1",
-                           chunk_tokens=CHUNK, checkpoint_every="1", result_ttl_s=600)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(redis_server),
+                           WorkerSettings(chunk_tokens=CHUNK, checkpoint_every="1",
+                                          result_ttl_s=600), name="np1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(redis_server))
     submitted = {

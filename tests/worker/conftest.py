@@ -15,6 +15,7 @@ import redis
 
 from jobs import PrefillClient
 from worker.checkpoints import FileStore, RedisStore
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .helpers import CHUNK, MODEL, OnChunk
@@ -42,8 +43,10 @@ def on_chunk():
 @pytest.fixture
 def setup(redis_conn, tiny):
     def make(**kwargs) -> tuple[PrefillWorker, PrefillClient]:
-        worker = PrefillWorker({MODEL: tiny}, redis_conn(), name=kwargs.pop("name", "w1"),
-                               chunk_tokens=kwargs.pop("chunk_tokens", CHUNK), **kwargs)
+        name = kwargs.pop("name", "w1")
+        worker = PrefillWorker({MODEL: tiny}, redis_conn(),
+                               WorkerSettings(chunk_tokens=kwargs.pop("chunk_tokens", CHUNK),
+                                              **kwargs), name=name)
         worker.register_models()
         return worker, PrefillClient(redis_conn())
 

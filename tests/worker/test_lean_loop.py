@@ -16,6 +16,7 @@ import redis
 
 from jobs import JobState, PrefillClient, keys, stats
 from worker.redis_server import RedisServer, calls_since, command_calls
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .helpers import CHUNK, MODEL, assert_logits_match, ids
@@ -37,8 +38,9 @@ def run_job(server, tiny, token_ids, chunk_tokens: int, **worker_kwargs) -> dict
     conn = redis.Redis.from_url(server.url)
     conn.flushall()
     # a heartbeat TTL far above the run: no beat or reap lands inside the measurement
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=chunk_tokens, heartbeat_ttl_s=3600, **worker_kwargs)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=chunk_tokens, heartbeat_ttl_s=3600,
+                                          **worker_kwargs), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     before = command_calls(conn)
@@ -98,8 +100,8 @@ def test_an_idle_worker_sees_a_new_priority_within_one_wait(server, tiny):
     """A blocked worker re-reads the priorities in use every heartbeat_ttl / 6 (here 1 s)."""
     conn = redis.Redis.from_url(server.url)
     conn.flushall()
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16, heartbeat_ttl_s=2)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=2), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     done = {}

@@ -26,6 +26,7 @@ from worker.connection import refused_write as refused_error
 from worker.connection import worker_connection
 from worker.heartbeat import Heartbeat
 from worker.redis_server import calls_since, command_calls
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .helpers import MODEL, assert_logits_match, ids
@@ -56,8 +57,9 @@ def test_a_refused_write_fails_the_job_and_the_worker_serves_on(
 ):
     admin = redis.Redis.from_url(server.url)
     assert admin.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16, heartbeat_ttl_s=1, max_active=1)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=1, max_active=1),
+                                          name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     job = client.submit(tokens=ids(40, 1), model=MODEL, logits="full")  # 3 chunks
@@ -90,8 +92,8 @@ def test_a_refused_write_fails_the_job_and_the_worker_serves_on(
 
 def test_a_refused_hand_back_is_retried_until_it_lands(server, tiny):
     admin = redis.Redis.from_url(server.url)
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     token_ids = ids(100, 3)
@@ -173,8 +175,8 @@ def test_a_worker_started_while_redis_refuses_waits_then_serves(server, tiny, wo
     lines = FillAtLine(admin, "subscribing to channel",
                        "Redis refused the registration of w1's models", seen)
     worker_lines(lines)
-    worker = PrefillWorker({MODEL: tiny}, worker_connection(server.url), name="w1",
-                           chunk_tokens=16, heartbeat_ttl_s=1)
+    worker = PrefillWorker({MODEL: tiny}, worker_connection(server.url),
+                           WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=1), name="w1")
     worker.work(burst=True, logging_level="INFO")
 
     assert seen == {"heartbeat": 0}, "it beat before it was registered"
@@ -196,8 +198,8 @@ def job_keys(conn: redis.Redis) -> list[bytes]:
 
 def test_a_refused_submit_raises_out_of_memory_and_writes_nothing(server, tiny):
     admin = redis.Redis.from_url(server.url)
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     before = (job_keys(admin), len(worker.sticky), admin.hgetall(keys.STATS))
@@ -234,8 +236,8 @@ def test_a_submit_whose_record_is_refused_gives_its_idempotency_key_back(server,
                       commands=["+@all", "-hset"])
     host_port = server.url.removeprefix("redis://")
     limited = f"redis://no-hset:@{host_port}"
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16), name="w1")
     worker.register_models()
     token_ids = ids(20, 5)
     kwargs = dict(tokens=token_ids, model=MODEL, top_k=3, idempotency_key="retry-me")
@@ -260,8 +262,8 @@ def test_a_submit_whose_record_is_refused_gives_its_idempotency_key_back(server,
 
 def test_a_refused_cancel_raises_and_changes_nothing(server, tiny):
     admin = redis.Redis.from_url(server.url)
-    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                           chunk_tokens=16)
+    worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                           WorkerSettings(chunk_tokens=16), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
     running = client.submit(tokens=ids(100, 6), model=MODEL, top_k=3)
@@ -279,7 +281,7 @@ def test_a_refused_cancel_raises_and_changes_nothing(server, tiny):
 
     assert client.cancel(waiting) and client.cancel(running)
     while worker.active:
-        worker.stepper.advance_next()
+        worker.stepper.run(worker.prefill_scheduler.take_turn())
     assert client.status(waiting).state == JobState.CANCELED
     assert client.status(running).state == JobState.CANCELED
 
@@ -292,9 +294,9 @@ def test_refused_checkpoint_writes_leave_the_job_exact_and_the_worker_serving(se
     (tmp_path / "store").mkdir()
     with RedisServer(tmp_path / "store") as store:
         store_admin = redis.Redis.from_url(store.url)
-        worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url), name="w1",
-                               chunk_tokens=16, checkpoint_store=store.url,
-                               checkpoint_every="1")
+        worker = PrefillWorker({MODEL: tiny}, redis.Redis.from_url(server.url),
+                               WorkerSettings(chunk_tokens=16, checkpoint_store=store.url,
+                                              checkpoint_every="1"), name="w1")
         worker.register_models()
         client = PrefillClient(redis.Redis.from_url(server.url))
         store_admin.config_set("maxmemory", 1)

@@ -16,6 +16,7 @@ import redis.asyncio
 from jobs import AsyncPrefillClient, JobState, UnknownModel, keys
 from jobs.reaper import reap
 from jobs.stats import read_cluster_stats, read_cluster_stats_sync
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .helpers import CHUNK, MODEL, assert_logits_match, ids
@@ -138,8 +139,10 @@ def wait_until_gone(conn, key: str, timeout: float = 5.0) -> None:
 def test_live_workers_and_prefilling_while_a_job_is_in_flight(setup, on_chunk, tiny,
                                                               redis_conn):
     worker, client = setup(max_active=1, heartbeat_ttl_s=3600)
-    idle = PrefillWorker({MODEL: tiny}, redis_conn(), name="idle", heartbeat_ttl_s=3600)
-    gone = PrefillWorker({MODEL: tiny}, redis_conn(), name="gone", heartbeat_ttl_s=1)
+    idle = PrefillWorker({MODEL: tiny}, redis_conn(),
+                         WorkerSettings(heartbeat_ttl_s=3600), name="idle")
+    gone = PrefillWorker({MODEL: tiny}, redis_conn(),
+                         WorkerSettings(heartbeat_ttl_s=1), name="gone")
     idle.register_models()
     gone.register_models()
     client.redis.sadd(keys.worker_jobs("gone"), "a-job-it-held")
@@ -189,7 +192,7 @@ async def test_the_async_client_counts_and_reads_as_the_sync_one(redis_server, t
 
     conn = sync_redis.Redis.from_url(redis_server)
     conn.flushall()
-    worker = PrefillWorker({MODEL: tiny}, conn, name="w1", chunk_tokens=CHUNK)
+    worker = PrefillWorker({MODEL: tiny}, conn, WorkerSettings(chunk_tokens=CHUNK), name="w1")
     worker.register_models()
     async with AsyncPrefillClient.from_url(redis_server) as aclient:
         first = await aclient.submit(tokens=ids(20, 1), model=MODEL, idempotency_key="k")

@@ -17,7 +17,7 @@ def test_a_pop_is_recorded_until_its_execution_returns(setup, tiny):
     worker, client = setup()
     token_ids = ids(20, 1)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    job_, queue = worker.queue_class.dequeue_any(worker.admission.queues(worker.sticky), None,
+    job_, queue = worker.queue_class.dequeue_any(worker.prefill_scheduler.queues(), None,
                                                  connection=worker.connection,
                                                  serializer=worker.serializer)
     assert job_id_of(job_.id) == job
@@ -27,7 +27,7 @@ def test_a_pop_is_recorded_until_its_execution_returns(setup, tiny):
     assert client.redis.exists(keys.worker_taking("w1")) == 0
     assert client.status(job).state == JobState.PREFILLING  # held now: the loop finishes it
     while worker.active:
-        worker.stepper.advance_next()
+        worker.stepper.run(worker.prefill_scheduler.take_turn())
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
 
 
@@ -37,7 +37,7 @@ def test_a_blocking_pop_is_recorded_too(setup, monkeypatch):
     # the job arrives while the worker waits: its first look (TAKE) found nothing
     monkeypatch.setattr(worker.queue_class, "scripts",
                         SimpleNamespace(run=lambda call, client=None: None))
-    job_, _ = worker.queue_class.dequeue_any(worker.admission.queues(worker.sticky), 1,
+    job_, _ = worker.queue_class.dequeue_any(worker.prefill_scheduler.queues(), 1,
                                              connection=worker.connection,
                                              serializer=worker.serializer)
     assert job_id_of(job_.id) == job
@@ -48,7 +48,7 @@ def test_the_reaper_requeues_a_job_its_dead_worker_dequeued_but_never_started(se
     worker, client = setup()
     token_ids = ids(20, 3)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    worker.queue_class.dequeue_any(worker.admission.queues(worker.sticky), None,
+    worker.queue_class.dequeue_any(worker.prefill_scheduler.queues(), None,
                                    connection=worker.connection, serializer=worker.serializer)
     # the worker dies here: its heartbeat expires, the job is queued and in no RQ queue
     client.redis.delete(keys.worker_heartbeat("w1"))

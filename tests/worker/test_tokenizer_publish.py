@@ -24,6 +24,7 @@ from jobs.tokenizer import AsyncTokenizerCache
 from tests.conftest import RedisServer
 from worker.embedded import embedded_queue
 from worker.redis_server import calls_since, command_calls
+from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
 from .helpers import MODEL
@@ -41,7 +42,7 @@ def builds(tiny, monkeypatch):
 
 
 def worker_on(connect, tiny, name="w1", **kwargs) -> PrefillWorker:
-    return PrefillWorker({MODEL: tiny}, connect(), name=name, **kwargs)
+    return PrefillWorker({MODEL: tiny}, connect(), WorkerSettings(**kwargs), name=name)
 
 
 def assert_tokenizes_like(st: ServedTokenizer, tiny) -> None:

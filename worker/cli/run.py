@@ -62,8 +62,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return finish(client, job_id, args.json)
 
     from worker.embedded import embedded_queue
+    from worker.settings import WorkerSettings
 
-    queue = embedded_queue(load_models([args.model], None), chunk_tokens=args.chunk_tokens)
+    settings = WorkerSettings(chunk_tokens=args.chunk_tokens, publish_tokenizers=False)
+    queue = embedded_queue(load_models([args.model], None), settings=settings)
     client = queue.client()
     job_id = client.submit(**submit_kwargs)
     follow = threading.Thread(target=follow_progress,

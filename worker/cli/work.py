@@ -31,10 +31,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     models = load_models(args.model or [DEFAULT_MODEL], args.context)
-    worker = PrefillWorker(
-        models,
-        worker_connection(args.redis),
-        name=args.name,
+    worker = PrefillWorker(models, worker_connection(args.redis), settings_of(args),
+                           name=args.name)
+    worker.work(burst=args.burst, logging_level="INFO")
+    return 0
+
+
+def settings_of(args: argparse.Namespace):
+    """The `worker.settings.WorkerSettings` ``prefillq worker``'s flags ask for."""
+    from worker.settings import WorkerSettings
+
+    return WorkerSettings(
         chunk_tokens=args.chunk_tokens,
         max_active=args.max_active,
         kv_budget_bytes=args.kv_budget_bytes,
@@ -48,8 +55,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_max_bytes=args.checkpoint_max_bytes,
         limits=limits_of(args),
     )
-    worker.work(burst=args.burst, logging_level="INFO")
-    return 0
 
 
 def limits_of(args: argparse.Namespace) -> Limits:

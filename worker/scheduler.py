@@ -1,0 +1,193 @@
+"""The scheduler: the one owner of which resident job runs next and when a new one is admitted.
+
+Its `schedule` is the worker loop's only decision, as ``Scheduler.schedule`` is vLLM's: admit
+a waiting job, run a step of resident jobs, or block on intake while nothing is resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from rq import Queue
+
+from jobs.defaults import DEFAULT_MAX_ACTIVE
+from jobs.queues import enqueue_admission, intake_priorities, intake_queue
+
+from .active import ActiveJob
+
+log = logging.getLogger("prefillq.worker")
+
+
+@dataclass(frozen=True)
+class Step:
+    """The resident jobs one step advances, in turn order (one job today; the step is a
+    tuple so a packed forward pass can carry several)."""
+
+    jobs: tuple[ActiveJob, ...]
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Take one waiting job from the first of `queues` that holds one (own queue first,
+    then intake by priority) and run its first chunk."""
+
+    queues: list[Queue]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run `step` now."""
+
+    step: Step
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing is resident: block on intake (`Scheduler.idle_queues`)."""
+
+
+Decision = Admit | Run | Idle
+
+
+class Scheduler:
+    """One worker's resident jobs, their turn order, and its admission policy.
+
+    Resident jobs take turns round-robin, one chunk each. While fewer than `max_active` are
+    resident and their KV bytes are under `kv_budget_bytes`, a job waiting in the worker's
+    own queue or an intake queue (highest priority first) is admitted between any two
+    chunks, as soon as a chunk's round trip saw one waiting (`saw_intake`): a new job waits
+    at most for the chunk in progress. A job that does not fit goes back to the head of its
+    intake queue, and nothing is admitted until a resident job leaves.
+
+    Args:
+        connection: Redis connection.
+        models: names of the served models.
+        own: the worker's own queue (jobs routed to it: sessions it holds).
+        max_active: jobs resident at once (at least 1).
+        kv_budget_bytes: no new job is admitted while resident KV bytes exceed this
+            (``ActiveJob.prefill.cache.nbytes``); None for no bound.
+        refresh_s: while jobs are resident, a new priority level's intake queue is read
+            within this many seconds of its first job.
+    """
+
+    def __init__(self, connection, models: list[str], own: Queue, *,
+                 max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None,
+                 refresh_s: float = 1.0):
+        self.connection, self.models, self.own = connection, list(models), own
+        self.max_active = max(1, max_active)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.refresh_s = refresh_s
+        # the jobs whose KV caches this worker holds, by id, in turn order (next first)
+        self.resident: OrderedDict[str, ActiveJob] = OrderedDict()
+        self.intake_waiting = True  # as of the last round trip: a queue to admit from holds one
+        self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
+        self._intake: list[Queue] | None = None
+        self._intake_read_at = 0.0
+
+    # -- the decision -------------------------------------------------------------------
+
+    def schedule(self) -> Decision:
+        """What the worker does next: `Admit` when a job waits and there is room (checked
+        again at every decision, so a job waits at most one chunk), else `Run` the next
+        step (its jobs move to the back of the turn order), else `Idle`."""
+        if not self.resident:
+            return Idle()
+        if self.intake_waiting:
+            queues = self.queues()
+            if queues:
+                self.intake_waiting = False  # until the next round trip says otherwise
+                return Admit(queues)
+        return Run(self.take_turn())
+
+    def next_step(self) -> Step | None:
+        """The step whose turn it is, without taking the turn (None: nothing resident)."""
+        if not self.resident:
+            return None
+        return Step((next(iter(self.resident.values())),))
+
+    def take_turn(self) -> Step:
+        """The step whose turn it is; its jobs' next turns come after the other jobs'.
+
+        Raises:
+            LookupError: nothing is resident.
+        """
+        step = self.next_step()
+        if step is None:
+            raise LookupError("no resident job to step")
+        for active in step.jobs:
+            self.resident.move_to_end(active.job_id)
+        return step
+
+    def saw_intake(self, waiting: bool) -> None:
+        """A round trip read the lengths of `queue_keys`: whether any holds a job."""
+        self.intake_waiting = waiting
+
+    # -- the resident jobs --------------------------------------------------------------
+
+    def add(self, active: ActiveJob) -> None:
+        """`active` is resident now; its turns come after the jobs already resident."""
+        self.resident[active.job_id] = active
+
+    def remove(self, job_id: str) -> ActiveJob | None:
+        """`job_id` left this worker (None if it was not resident); its room is free."""
+        self.room_needed = False
+        return self.resident.pop(job_id, None)
+
+    @property
+    def resident_kv_bytes(self) -> int:
+        """KV cache bytes of every resident job."""
+        return sum(a.prefill.cache.nbytes for a in self.resident.values())
+
+    # -- admission ----------------------------------------------------------------------
+
+    def admitting(self) -> bool:
+        """Whether a new job may be taken now."""
+        if len(self.resident) >= self.max_active or self.room_needed:
+            return False
+        return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
+
+    def queues(self) -> list[Queue]:
+        """The queues to admit from now, in order (the own queue first, then intake by
+        priority), or none while there is no room. The intake priorities in use are read
+        from Redis at most every ``refresh_s`` seconds, and after `idle_queues`."""
+        if not self.admitting():
+            return []
+        if self._intake is None or time.monotonic() >= self._intake_read_at + self.refresh_s:
+            self._intake, self._intake_read_at = self._intake_by_priority(), time.monotonic()
+        return [self.own, *self._intake]
+
+    def queue_keys(self) -> list[str]:
+        """Redis keys of `queues`, whose lengths ride along with a chunk's round trip."""
+        return [q.key for q in self.queues()]
+
+    def idle_queues(self) -> list[Queue]:
+        """The queues to block on while nothing is resident, with the priorities in use read
+        again (a job of a priority no queue had before is seen within one wait)."""
+        self._intake = None
+        return self.queues() or [self.own]
+
+    def _intake_by_priority(self) -> list[Queue]:
+        levels = sorted(
+            ((p, m) for m in self.models for p in intake_priorities(self.connection, m)),
+            key=lambda level: -level[0],
+        )
+        return [intake_queue(self.connection, m, p) for p, m in levels]
+
+    def fits(self, kv_bytes: int) -> bool:
+        """Whether a new job of `kv_bytes` fits. A job alone always fits (else it could
+        never run); others must leave it room."""
+        if self.kv_budget_bytes is None or not self.resident:
+            return True
+        return self.resident_kv_bytes + kv_bytes <= self.kv_budget_bytes
+
+    def wait_for_room(self, job_id: str, model: str, priority: int) -> None:
+        """Put a job that does not fit back at the head of its intake queue, untouched, and
+        admit nothing until a resident job leaves (`remove`)."""
+        enqueue_admission(intake_queue(self.connection, model, priority), job_id,
+                          at_front=True)
+        self.room_needed = True
+        log.info("job %s waits for KV room (%d bytes resident)", job_id,
+                 self.resident_kv_bytes)

@@ -1,0 +1,56 @@
+"""`WorkerSettings`: everything a `PrefillWorker` is configured with, in one value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jobs.defaults import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_LOGITS_TTL_S,
+    DEFAULT_MAX_ACTIVE,
+    DEFAULT_RESULT_TTL_S,
+    DEFAULT_SESSION_SLOTS,
+)
+from jobs.limits import Limits
+
+from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """A worker's settings (``prefillq worker``'s flags; `worker.cli.work.settings_of`).
+
+    Attributes:
+        chunk_tokens: cap on chunk size in tokens when this worker plans a job (a job's own
+            cap may be smaller; a job planned before keeps its recorded plan); None: the
+            planner's default.
+        max_active: jobs resident at once.
+        kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
+        result_ttl_s, logits_ttl_s: lifetime in seconds of a terminal job's record and of
+            its full logits.
+        heartbeat_ttl_s: the worker counts as dead this many seconds after its last beat.
+        session_slots, session_bytes: bounds on the session slots kept between a session's
+            jobs (`worker.sessions.SessionSlots`; least recently used evicted first).
+        checkpoint_store: where KV checkpoints go (`worker.checkpoints.open_store`: None for
+            this queue's Redis, ``redis://...``, ``file:///dir``).
+        checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
+        checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
+        publish_tokenizers: publish each model's tokenizer for clients that tokenize
+            (`worker.heartbeat.Heartbeat.publish_tokenizer`).
+        limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
+            whatever client enqueued it; a job over them fails with the typed error.
+    """
+
+    chunk_tokens: int | None = None
+    max_active: int = DEFAULT_MAX_ACTIVE
+    kv_budget_bytes: int | None = None
+    result_ttl_s: int = DEFAULT_RESULT_TTL_S
+    logits_ttl_s: int = DEFAULT_LOGITS_TTL_S
+    heartbeat_ttl_s: int = DEFAULT_HEARTBEAT_TTL_S
+    session_slots: int = DEFAULT_SESSION_SLOTS
+    session_bytes: int | None = None
+    checkpoint_store: str | None = None
+    checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY
+    checkpoint_max_bytes: int | None = None
+    publish_tokenizers: bool = True
+    limits: Limits = field(default_factory=Limits)
