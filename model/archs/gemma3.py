@@ -146,9 +146,9 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         eps = args.rms_norm_eps
-        # llama.cpp stores Gemma's norm weights with its +1 already added: used as stored.
         self.attn = Attention(args, layer)
         self.mlp = MLP(args)
+        # llama.cpp stores Gemma's norm weights with its +1 already added: used as stored.
         self.attn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
         self.post_attention_norm = nn.RMSNorm(args.hidden_size, eps=eps)
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
