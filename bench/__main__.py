@@ -1,14 +1,8 @@
 """python -m bench [--quick] [--json] [--plots DIR] [--out FILE] [--llama-python PY]
 python -m bench --model smollm2-135m --ratios-only [--llama-python PY] [--out FILE]
 
-Prefill benchmarks for prefillq on this machine: side-by-side ratios (chunked over one
-pass, our forward over mlx-lm's, the queue over in-process, ours over llama.cpp), a short
-job's wait under a long prefill, RSS growth over the planned bytes, and tokens/s curves,
-on Gemma 3 270M; the full suite then records the ratios of each of `FAMILY_MODELS` (the
-Llama family's SmolLM2), which --ratios-only records alone for --model.
-The quick suite takes 5-6 minutes on 2 cores; the full suite (no --quick) ~25 minutes plus
-llama.cpp with --llama-python. Bounded metrics carry "holds"; stderr ends with one
-holds/MISSED line per bound. See docs/benchmarks.md.
+Prefill benchmarks for prefillq on this machine's CPU: side-by-side ratios, a short job's
+wait under a long prefill, memory and tokens/s curves. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -98,6 +92,7 @@ def family_ratios(rec: Recorder, loaded, n: int, repeats: int, llama_python: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The full suite also records `FAMILY_MODELS`' ratios; --ratios-only those of --model."""
     p = build_parser()
     args = p.parse_args(argv)
     refuse_existing(p, args.out)

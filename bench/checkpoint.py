@@ -1,15 +1,4 @@
-"""KV checkpoints: what writing them costs a prefill, and what they save when a worker dies.
-
-- ``checkpoint_overhead``: one prompt through a real redis-server and an in-process worker,
-  checkpointed at the default interval and not at all, alternating; the ratio of the two
-  tokens/s (each the job's own ``prefill_s``).
-- ``resume_saving``: two ``prefillq worker`` processes on one redis-server. A job routed to
-  the first is SIGKILLed half a chunk after it has prefilled 75% of its tokens (a death
-  lands inside a chunk); the second finds it (heartbeat TTL 2 s), restores its latest
-  checkpoint and finishes. The seconds from the kill to
-  ``finished`` over the cold run's seconds (submit to ``finished``, the same prompt on the
-  second worker first, uninterrupted). Each worker runs one short job first, unmeasured.
-"""
+"""KV checkpoints: what writing them costs a prefill, and what they save when a worker dies."""
 
 from __future__ import annotations
 
@@ -35,8 +24,9 @@ HEARTBEAT_TTL_S = 2
 def checkpoint_overhead(rec: Recorder, loaded: LoadedModel, n: int = 8192,
                         repeats: int = 1, ids: list[int] | None = None) -> None:
     """Record ``checkpoint_overhead``: tokens/s with checkpoints every
-    `DEFAULT_CHECKPOINT_EVERY` over tokens/s without (fastest of `repeats` each). `ids`: the
-    prompt (default: `n` real Gemma 3 ids)."""
+    `DEFAULT_CHECKPOINT_EVERY` over tokens/s without (fastest of `repeats` each), one prompt
+    through a real redis-server and an in-process worker, alternating; each side's tokens/s
+    is the job's own ``prefill_s``. `ids`: the prompt (default: `n` real Gemma 3 ids)."""
     ids = ids or prompt_ids(n)
     n = len(ids)
     log(f"checkpoint overhead: {n} tokens, every {DEFAULT_CHECKPOINT_EVERY} vs none")
@@ -61,7 +51,14 @@ def checkpoint_overhead(rec: Recorder, loaded: LoadedModel, n: int = 8192,
 def resume_saving(rec: Recorder, model: str = "gemma3-270m", n: int = 8192,
                   chunk_tokens: int = 512, kill_at: float = 0.75,
                   ids: list[int] | None = None) -> None:
-    """Record ``resume_saving`` (see the module docstring). The saving depends on how much
+    """Record ``resume_saving``: two ``prefillq worker`` processes on one redis-server. A job
+    routed to the first is SIGKILLed half a chunk after it has prefilled `kill_at` of its
+    tokens (a death lands inside a chunk); the second finds it (heartbeat TTL 2 s), restores
+    its latest checkpoint and finishes. The record is the seconds from the kill to
+    ``finished`` over the cold run's (submit to ``finished``, the same prompt on the second
+    worker first, uninterrupted). Each worker runs one short job first, unmeasured.
+
+    The saving depends on how much
     was computed since the last checkpoint: with a checkpoint after every chunk (512-token
     CPU chunks take over the default 2 s) that is at most one chunk, 1/16 of this prompt.
     `ids`: the prompt (default: `n` real Gemma 3 ids)."""

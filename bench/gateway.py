@@ -1,18 +1,7 @@
 """python -m bench.gateway [--json] [--out FILE] [--model NAME]
 
-What the HTTP gateway costs, measured side by side in one run on one redis-server, one
-``prefillq worker`` process and one ``prefillq serve`` process (uvicorn, one event loop):
-
-- ``gateway_over_native``: lm-evaluation-harness's scoring request (``echo``,
-  ``logprobs=1``, ``max_tokens=1`` over token ids) through ``POST /v1/completions`` against
-  the same job through `PrefillClient` (``submit(tokens, top_k=1, prompt_logprobs=1)`` then
-  ``result``), alternating; the native seconds over the HTTP seconds, best of each (every
-  pair's ratio in ``ratios``). Each is timed from the request to the decoded response.
-- ``gateway_overhead_ms``: the same pair for a short plain prefill (no logprobs), whose
-  difference is the gateway's fixed cost per request.
-- ``status_polls_per_s``: ``GET /v1/prefill/{id}`` of a finished job from concurrent
-  keep-alive HTTP clients for a few seconds, and ``native_status_polls_per_s``: the asyncio
-  client's ``status`` at the same concurrency, for comparison.
+What the HTTP gateway costs a request, measured side by side against the native client in
+one run on one redis-server, one ``prefillq worker`` and one ``prefillq serve`` (`measure`).
 """
 
 from __future__ import annotations
@@ -136,9 +125,19 @@ async def _poll_rates(gateway_url: str, redis_url: str, job: str,
 
 def measure(rec: Recorder, model: str, rounds: int = ROUNDS, poll_seconds: float = POLL_SECONDS,
             ids: Callable[[int], list[int]] = prompt_ids) -> None:
-    """Record ``gateway_over_native``, ``gateway_overhead_ms``, ``status_polls_per_s`` and
-    ``native_status_polls_per_s`` (see the module docstring). `ids(n)`: a prompt of `n`
-    token ids of `model` (default: real Gemma 3 ids)."""
+    """Record, each timed from the request to the decoded response (`ids(n)`: a prompt of
+    `n` token ids of `model`, default real Gemma 3 ids):
+
+    - ``gateway_over_native``: lm-evaluation-harness's scoring request (``echo``,
+      ``logprobs=1``, ``max_tokens=1`` over token ids) through ``POST /v1/completions``
+      against the same job through `PrefillClient` (``submit(tokens, top_k=1,
+      prompt_logprobs=1)`` then ``result``), alternating; the native seconds over the HTTP
+      seconds, best of each (every pair's ratio in ``ratios``);
+    - ``gateway_overhead_ms``: the same pair for a short plain prefill (no logprobs), whose
+      difference is the gateway's fixed cost per request;
+    - ``status_polls_per_s``: ``GET /v1/prefill/{id}`` of a finished job from concurrent
+      keep-alive HTTP clients for a few seconds, and ``native_status_polls_per_s``: the
+      asyncio client's ``status`` at the same concurrency."""
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         port = free_port()
         url = f"http://127.0.0.1:{port}"

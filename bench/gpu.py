@@ -4,40 +4,6 @@ and the same prefill in mlx-lm and HF transformers, measured in the same run.
     python -m bench.gpu [--quick] [--models A,B] [--no-peers] [--no-eager] [--no-micro]
                         [--sdpa-backends A,B] [--deepseek4-layers N] [--out FILE]
     python -m bench.gpu --check [--checks TEXT] [--out FILE]
-
-One JSON line per measurement on stdout (and in FILE with --out, after a context line).
-Cases: each dense model of --models (`MODELS`; default Gemma 3 270M shapes, at 8,192 and
-32,768 tokens in 2,048- and 8,192-token chunks; ``llama3-8b`` and ``qwen3-4b``, Llama 3 8B
-and Qwen3 4B shapes, at 8,192 and 32,768 tokens in 2,048-token chunks), then
-DeepSeek-V4-Flash layers at 8,192 and 32,768 tokens in 2,048-token chunks; --quick keeps the
-first of each. Each case is the fastest of 5 prefills after a warm-up one.
-
-Peers (`bench.gpu_peers`; --no-peers skips them, and one not importable records a
-``peer_skipped`` line), each in a fresh process of its own, run first, before this process
-uses the GPU: mlx-lm's own model of the family (``gemma3_text``, ``llama``, ``qwen3``) at
-each case with the same chunks (under MLX's own CUDA graph knobs; prefillq's are set on
-importing `model`), HF transformers' causal LM of the family in one pass over each prompt
-length without a KV cache (``sdpa`` under each of --sdpa-backends, ``flex_attention``,
-``eager``), all final-position logits only;
-and, unless --no-micro, torch SDPA alone at `bench.gpu_attention.MICRO` under each
-backend. prefillq's records carry ``over_mlx_lm`` (same prompt and chunk),
-``over_hf_flex`` and ``over_hf_sdpa`` (HF sdpa's best backend; same prompt). Then the
-attention micro-benchmarks (`bench.gpu_attention.micro`: the fused kernel and MLX SDPA,
-each with ``over_torch_sdpa``, its ratio over torch SDPA's best backend;
-`bench.gpu_deepseek4.micro`: a ratio-4 layer's chunk three ways), then the DeepSeek-V4
-cases. Every line names the process it came
-from (``pid``, ``process``) and, for a peer, its ``backend``.
-
---check runs only the exactness checks (`bench.gpu_check.CHECKS`: the Gemma kernel against
-the unfused path at 13 shapes and 4 and 8 warps, chunked prefill against one pass, the
-DeepSeek-V4 kernel against `gathered_attention` at 5 shapes, and each DeepSeek-V4 attention
-layer kind against its masked dense form chunk by chunk) and exits 0 only if all pass; it
-needs a CUDA GPU.
-
-Throughput does not depend on weight values (routing aside), so the models are built at the
-real shapes with random weights instead of loading a GGUF. MFU counts useful FLOPs only
-(causal, windowed attention as the model defines it, not what a kernel computes under a
-mask) against a bf16 matmul ceiling measured in the same run.
 """
 
 from __future__ import annotations
@@ -63,8 +29,8 @@ from .common import Recorder, git_commit, log, refuse_existing
 from .gpu_attention import MICRO, micro
 from .gpu_peers import DEFAULT_BACKEND, SDPA_BACKENDS
 
-# Timed prefills per case after the warm-up one; the fastest is kept (a 2,048-token Gemma
-# chunk takes ~15 ms, so host-side jitter of a few ms moves single runs by 20-30%).
+# Timed prefills per case after the warm-up one; the fastest is kept (a GPU chunk is short
+# enough that host-side jitter of a few ms moves single runs; docs/benchmarks.md).
 REPEATS = 5
 
 # The practical bf16 ceiling PyTorch reached on an H200 (torch.matmul, 8192^3, bf16),
@@ -329,6 +295,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One JSON line per measurement on stdout (and in FILE with --out, after a context line).
+
+    The peers (`bench.gpu_peers`: mlx-lm's model of the family at each case with the same
+    chunks; HF transformers in one pass, ``sdpa`` under each of --sdpa-backends,
+    ``flex_attention``, ``eager``; torch SDPA alone unless --no-micro) run first, each in a
+    fresh process, before this one uses the GPU. Then each case of --models (`MODELS`), the
+    fastest of `REPEATS` after a warm-up, with its MFU (useful FLOPs: `decoder_flops`,
+    `deepseek4_flops`, over a bf16 matmul ceiling measured in the run) and ratios over the
+    peers; the attention micro-benchmarks; the DeepSeek-V4-Flash cases. --check runs only
+    `bench.gpu_check.CHECKS` (a CUDA GPU needed) and exits 0 only if all pass.
+    """
     p = parser()
     args = p.parse_args(argv)
     if args.check and not fused_available():

@@ -2,27 +2,7 @@
 
     python -m bench.gpu_ablate [--tokens 8192 32768] [--chunk 2048] [--out FILE]
 
-`bench.gpu_profile` evaluates module by module, which breaks MLX's lazy graph and so
-changes what it measures. Here each variant runs the whole prefill unchanged except for
-one part, in the same process, alternating (`bench.common.interleaved`), fastest of
-`REPEATS`:
-
-- ``baseline``: the product's path (on CUDA, compiled layer graphs around the fused
-  kernel: `model.archs._gemma3_graph`);
-- ``module_forward``: the module-by-module forward, still with the fused kernel;
-- ``unfused``: the module forward with MLX's attention instead of the kernel;
-- ``no_split``: the kernel without FlashDecoding's key splits;
-- ``split_min_4``: key splits down to 4 key blocks each (the rule before 32);
-- ``no_attention``: the attention returns its queries (projections, norms, RoPE and the
-  cache update stay), so the difference is what attention costs;
-- ``pipelined``: every chunk launched before waiting for the previous one (one wait at
-  the end): the host's graph building overlaps the device, which bounds what overlapping
-  chunks could gain;
-- ``build_seconds``: the host time spent building the chunks' graphs in the baseline.
-
-MLX's CUDA backend reads its knobs (``MLX_MAX_OPS_PER_BUFFER``, ``MLX_USE_CUDA_GRAPHS``,
-``MLX_CUDA_GRAPH_CACHE_SIZE``) from the environment once, so compare them across runs:
-the context line records every ``MLX_*`` variable set.
+Each of `variants` runs the whole prefill with one part changed, alternating in one process.
 """
 
 from __future__ import annotations
@@ -73,6 +53,25 @@ def _prefill(model, n: int, chunk: int, pipelined: bool = False) -> tuple[float,
 
 
 def variants(model) -> dict:
+    """The prefill variants, by name, each ``(n, chunk) -> run``, where ``run()`` returns the
+    wall seconds of one prefill:
+
+    - ``baseline``: the product's path (on CUDA, compiled layer graphs around the fused
+      kernel: `model.archs._gemma3_graph`);
+    - ``module_forward``: the module-by-module forward, still with the fused kernel;
+    - ``unfused``: the module forward with MLX's attention instead of the kernel;
+    - ``no_split``: the kernel without FlashDecoding's key splits;
+    - ``split_min_4``: key splits down to 4 key blocks each (the rule before 32);
+    - ``no_attention``: the attention returns its queries (projections, norms, RoPE and the
+      cache update stay), so the difference is what attention costs;
+    - ``pipelined``: every chunk launched before waiting for the previous one (one wait at
+      the end), which bounds what overlapping chunks could gain.
+
+    `bench.gpu_profile` evaluates module by module, which breaks MLX's lazy graph; these run
+    the whole prefill. `main` also records ``build_seconds``, the host time building the
+    baseline's graphs. MLX reads its CUDA knobs once, so compare them across runs: the context
+    line records every ``MLX_*`` variable set.
+    """
     def run(n, chunk, **kw):
         return lambda: _prefill(model, n, chunk, **kw)[0]
 

@@ -1,17 +1,7 @@
 """python -m bench.gpu_attention [--check] [--out FILE]
 
-The fused CUDA attention kernel (`model.kernels.flash_attention`) on the device:
-
-- ``--check``: the kernel against the unfused MLX path
-  (`model.archs._attention.blocked_attention` in float32 on the same bf16 inputs) at every
-  supported shape: whole-prompt and chunk-at-an-offset causal attention, sliding windows,
-  GQA groups of 1 and 4, lengths that are not block multiples; max |difference| over
-  max |reference| within `BF16_TOLERANCE`.
-- the micro-benchmark: one global layer's causal attention (`MICRO`: 4 query heads of 256,
-  1 KV head, 8K and 32K queries), ours and MLX SDPA, fastest of 5 after a warm-up, as
-  TFLOP/s of the causal work (`bench.common.causal_attention_flops`), each over torch
-  SDPA's best backend at the same shape (``over_torch_sdpa``), which torch measures first
-  in processes of its own (`bench.gpu_peers.attention_plan`).
+The fused CUDA attention kernel (`model.kernels.flash_attention`) on the device: exactness
+against the unfused MLX path (`check`) and TFLOP/s against MLX and torch SDPA (`micro`).
 """
 
 from __future__ import annotations
@@ -58,6 +48,11 @@ def _inputs(H: int, KVH: int, L: int, position: int, window: int | None, D: int 
 
 
 def check(rec: Recorder, warps: int = 4) -> bool:
+    """The kernel against the unfused MLX path (`model.archs._attention.blocked_attention` in
+    float32 on the same bf16 inputs) at every shape of `CHECKS`: whole-prompt and
+    chunk-at-an-offset causal attention, sliding windows, GQA groups of 1 and 4, lengths that
+    are not block multiples; max |difference| over max |reference| within `BF16_TOLERANCE`.
+    """
     ok = True
     for H, KVH, L, position, window in CHECKS:
         q, k, v = _inputs(H, KVH, L, position, window)
@@ -92,7 +87,13 @@ def _seconds(fn, repeats: int = 5) -> float:
 def micro(rec: Recorder, peers: Iterable[dict] = (),
           shapes=((32, 4), (64, 4), (64, 8))) -> None:
     """`MICRO` at each of its lengths; `shapes`: the kernel's (block_n, warps) to time;
-    `peers`: the records `bench.gpu_peers.run_all` returned, for the ratios over torch."""
+    `peers`: the records `bench.gpu_peers.run_all` returned, for the ratios over torch.
+
+    One global layer's causal attention (`MICRO`: 4 query heads of 256, 1 KV head, 8K and 32K
+    queries), ours and MLX SDPA, fastest of 5 after a warm-up, as TFLOP/s of the causal work
+    (`bench.common.causal_attention_flops`), each over torch SDPA's best backend at the same
+    shape (``over_torch_sdpa``), which torch measures first in processes of its own.
+    """
     for L in MICRO["queries"]:
         _micro_at(rec, L, shapes, peers)
 

@@ -1,27 +1,5 @@
-"""DeepSeek-V4 attention on a CUDA GPU: exactness checks and a micro-benchmark of the fused
-per-query key-list kernel (`model.kernels.sparse_attention`).
-
-- `check_sparse_kernel`: the kernel against `gathered_attention` (float32 on the same bf16
-  inputs) at DeepSeek-V4-Flash's attention shape (64 heads of 512, one KV head), lists of
-  window, dense-compressed and top-k shapes with empty slots, a query with no key, random
-  sinks; max |difference| over max |reference| within `BF16_TOLERANCE`.
-- `check_gathered_layers`: each attention layer kind of DeepSeek-V4-Flash (ratio 0, 4 and
-  128; random weights, bf16) run chunk by chunk over 8,192 tokens through the product's
-  path (the kernel, the indexer's top-k rows gathered) and through the masked dense form
-  (MLX attention over every compressed row under a mask), each with its own cache; every
-  chunk's output within `LAYER_TOLERANCE`.
-- `check_padded_experts`: the routed experts' GPU path (`MoE._padded`, batched matmuls
-  over padded expert rows) and its fallback (`MoE._gathered`, ``gather_mm``) against float32
-  host-grouped matmuls on the same bf16 inputs, 64 experts of Flash's width.
-- `micro`: one ratio-4 layer's attention for a 2,048-token chunk at 8K (window 128 + top-k
-  512 per query): the kernel, `gathered_attention` in MLX ops, and the masked dense MLX
-  attention the model ran before.
-- `experts_micro`: one layer's routed experts (256 of them, top-6) for a 2,048-token chunk,
-  padded and through ``gather_mm``; `experts_sweep` the same over chunk lengths and skew,
-  which places `padded_capacity`'s limits.
-- `ablate`: DeepSeek-V4-Flash's first 4 layers, the whole prefill with one part taken back
-  each (``gather_mm`` experts, RoPE angles made on the host per call), the
-  variants alternating in one process (`bench.common.interleaved`).
+"""DeepSeek-V4 on a CUDA GPU: exactness checks, micro-benchmarks of the fused key-list kernel
+(`model.kernels.sparse_attention`) and of the routed experts, and an ablation.
 """
 
 from __future__ import annotations
@@ -64,6 +42,11 @@ def _sparse_inputs(L: int, K: int, N: int, empty: float, seed: int = 0):
 
 
 def check_sparse_kernel(rec: Recorder) -> bool:
+    """The kernel against `gathered_attention` (float32 on the same bf16 inputs) at
+    DeepSeek-V4-Flash's attention shape (64 heads of 512, one KV head), lists of window,
+    dense-compressed and top-k shapes with empty slots, a query with no key, random sinks;
+    max |difference| over max |reference| within `BF16_TOLERANCE`.
+    """
     ok = True
     for L, K, N, empty in SPARSE_CHECKS:
         q, kv, idx, sinks = _sparse_inputs(L, K, N, empty)
@@ -105,7 +88,13 @@ def _layer_outputs(model, layer: int, xs: list[mx.array]) -> list[mx.array]:
 def check_gathered_layers(rec: Recorder, n: int = 8192, chunk: int = 2048, args=None,
                           dtype: mx.Dtype = mx.bfloat16) -> bool:
     """Args: `args` (default `deepseek4.flash_args()`, 8 routed experts: only attention
-    runs) and `dtype` of the weights, inputs and cache (a CPU test passes tiny float32)."""
+    runs) and `dtype` of the weights, inputs and cache (a CPU test passes tiny float32).
+
+    Each attention layer kind of DeepSeek-V4-Flash (ratio 0, 4 and 128) run chunk by chunk
+    over 8,192 tokens through the product's path (the kernel, the indexer's top-k rows
+    gathered) and through the masked dense form (`masked_dense`), each with its own cache;
+    every chunk's output within `LAYER_TOLERANCE`.
+    """
     args = args or deepseek4.flash_args(n_routed_experts=8)
     model = deepseek4.dummy_model(args, n_layers=4, dtype=dtype)
     ratios = model.args.compress_ratios
@@ -131,7 +120,11 @@ def check_gathered_layers(rec: Recorder, n: int = 8192, chunk: int = 2048, args=
 
 def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
           window: int = 128) -> None:
-    """One ratio-4 layer's attention, the chunk at `position` (`position + L` tokens in)."""
+    """One ratio-4 layer's attention, the chunk at `position` (`position + L` tokens in).
+
+    A 2,048-token chunk at 8K (window 128 + top-k 512 per query) three ways: the kernel,
+    `gathered_attention` in MLX ops, and the masked dense MLX attention the model ran before.
+    """
     n_rows = (position + L) // 4
     n_prev = window - 1
     N = n_prev + L + n_rows

@@ -2,14 +2,7 @@
 
     python -m bench.gpu_peer_mlx_lm --shapes JSON [--repeats 5] N:CHUNK [N:CHUNK ...]
 
-mlx-lm's ``gemma3_text``, ``llama`` or ``qwen3`` (the shapes' ``family``) at `--shapes`
-(`bench.gpu_peers.shapes_of`), random bf16 weights, prefilling N random tokens in
-CHUNK-token chunks in its own cache (``make_prompt_cache``), one ``mx.eval`` of the cache
-per chunk as mlx-lm's ``generate_step`` prefills, and the head on the final position only. Its
-``mx.clear_cache()`` after each chunk is left out: it only hands buffers back to the
-allocator, so leaving it out can only speed mlx-lm up. ``gpu_prefill_tok_s`` records,
-fastest of `--repeats` after a warm-up, in `bench.gpu_peers`' protocol. prefillq's
-`model` is not imported: it would set its own CUDA graph knobs for the process.
+prefillq's `model` is not imported: it would set its own CUDA graph knobs for the process.
 """
 
 from __future__ import annotations
@@ -90,6 +83,10 @@ def mlx_lm_prefill(model, ids: mx.array, chunk: int) -> mx.array:
     Returns:
         ``(1, vocab)`` final-position logits, evaluated (the inner model's hidden states
         and the head, tied or not, on the last position only).
+
+    One ``mx.eval`` of the cache per chunk, as mlx-lm's ``generate_step`` prefills. Its
+    ``mx.clear_cache()`` after each chunk is left out: it only hands buffers back to the
+    allocator, so leaving it out can only speed mlx-lm up.
     """
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -4,24 +4,6 @@
         [--head-dim 256] [--repeats 5] [--device cuda] QUERIES [QUERIES ...]
     python -m bench.gpu_peer_torch hf --attn {sdpa,flex_attention,eager} [--backend NAME]
         --shapes JSON [--repeats 3] [--device cuda] N [N ...]
-
-``attention``: causal `torch.nn.functional.scaled_dot_product_attention` over QUERIES
-tokens in bf16, two ways: ``enable_gqa`` on the KV heads as they are, and the KV heads
-expanded to every query head (``expanded kv``); ``attention_tflops`` records of the causal
-work (`bench.common.causal_attention_flops`), fastest of `--repeats` after a warm-up.
-
-``hf``: HF transformers' ``Gemma3ForCausalLM``, ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``
-(the shapes' ``family``) at `--shapes` (`bench.gpu_peers.shapes_of`),
-random bf16 weights, one pass over N random tokens with no KV cache kept
-(``use_cache=False``) and the head on the last position only (``logits_to_keep=1``);
-``gpu_prefill_tok_s`` records, fastest of `--repeats` after a warm-up (which also compiles
-``flex_attention``).
-
-`--backend` (``default``: torch's own pick) is one of `bench.gpu_peers.SDPA_BACKENDS`,
-enforced with `torch.nn.attention.sdpa_kernel` around every call: a backend that cannot
-take the inputs is a ``peer_error`` record. The math backend (and HF's eager attention)
-materialize every score; a length whose scores would not fit in the device's free memory
-is a ``peer_skipped`` record. Records follow `bench.gpu_peers`' protocol.
 """
 
 from __future__ import annotations
@@ -111,7 +93,10 @@ def _picked(q, k, v, gqa: bool) -> str | None:
 
 def attention_cases(rec, backend: str, queries: list[int], heads: int, kv_heads: int,
                     head_dim: int, repeats: int, device: str = "cuda") -> None:
-    """torch SDPA alone under `backend` at each of `queries`, both KV layouts."""
+    """torch SDPA alone under `backend` at each of `queries`, both KV layouts: ``enable_gqa``
+    on the KV heads as they are, and the KV heads expanded to every query head (``expanded
+    kv``); ``attention_tflops`` records of the causal work, fastest of `repeats` after a
+    warm-up."""
     import torch
     import torch.nn.functional as F
 
@@ -221,7 +206,9 @@ def hf_prefill(model, ids):
 
 def hf_cases(rec, attn: str, backend: str, shapes: dict, lengths: list[int], repeats: int,
              device: str = "cuda") -> None:
-    """HF with `attn` attention under SDPA `backend` at each of `lengths` tokens."""
+    """HF with `attn` attention under SDPA `backend` at each of `lengths` tokens, the head on
+    the last position only (``logits_to_keep=1``); ``gpu_prefill_tok_s`` records, fastest of
+    `repeats` after a warm-up (which also compiles ``flex_attention``)."""
     import torch
     import transformers
 
@@ -272,7 +259,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one peer and print its records (`bench.gpu_peers`' protocol); exit 0 also when
-    torch, transformers or the device is missing (a ``peer_skipped`` record says so)."""
+    torch, transformers or the device is missing (a ``peer_skipped`` record says so).
+
+    ``attention``: causal `torch.nn.functional.scaled_dot_product_attention` over QUERIES
+    tokens in bf16 (`attention_cases`). ``hf``: HF transformers' causal LM of the shapes'
+    family, one pass over N random tokens with no KV cache kept (`hf_cases`).
+
+    `--backend` (``default``: torch's own pick) is one of `bench.gpu_peers.SDPA_BACKENDS`,
+    enforced with `torch.nn.attention.sdpa_kernel` around every call: a backend that cannot
+    take the inputs is a ``peer_error`` record. The math backend (and HF's eager attention)
+    materialize every score; a length whose scores would not fit in the device's free memory
+    is a ``peer_skipped`` record (`scores_fit`).
+    """
     started = time.perf_counter()
     args = parser().parse_args(argv)
     label = TORCH_SDPA if args.what == "attention" else HF_IMPLS[args.attn]

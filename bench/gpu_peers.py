@@ -1,29 +1,9 @@
 """The peers `python -m bench.gpu` measures beside prefillq, each in a process of its own.
 
-A peer shares its process with nothing: not with prefillq's MLX (torch picks a slower
-attention backend once MLX has used the GPU in the same process), not with another peer.
-So `python -m bench.gpu` starts one fresh ``python -m`` child per peer and backend (`plan`,
-`attention_plan`), before it uses the GPU itself, and reads back their records
-(`run_all`):
-
-- ``bench.gpu_peer_mlx_lm``: mlx-lm's ``gemma3_text`` at every case, under MLX's own CUDA
-  graph knobs (`MLX_GRAPH_DEFAULTS`);
-- ``bench.gpu_peer_torch hf``: HF transformers' ``Gemma3ForCausalLM``, one child for
-  ``sdpa`` under each of `SDPA_BACKENDS` and under torch's own choice (``default``), one
-  for ``flex_attention``, one for ``eager``;
-- ``bench.gpu_peer_torch attention``: torch SDPA alone at the fused kernel's comparison
-  shape (`bench.gpu_attention.MICRO`), one child per backend.
-
-The protocol: a child prints one JSON record a line on stdout, each tagged with its
-``pid``, ``process`` (its label) and ``backend``, and ends with a ``peer_process`` record
-(its wall seconds, whether MLX and torch were loaded in it). A peer that is not importable
-is a ``peer_skipped`` record; a measurement that fails is a ``peer_error`` record and the
-child goes on; a child that fails or overruns is a
-``peer_error`` record in the parent's name and the run goes on. The parent adds the best
-backend of each backend-swept peer (``impl`` "... best", with every candidate);
-`ratios` and `attention_ratios` put prefillq's figures over them, within the run.
-
-This module imports neither MLX nor torch: both sides of the protocol use it.
+A peer shares its process with nothing (torch picks a slower attention backend once MLX has
+used the GPU in its process): `plan` and `attention_plan` name one ``python -m`` child per
+peer and backend, `run_all` runs them and reads back their records. This module imports
+neither MLX nor torch: both sides of the protocol use it.
 """
 
 from __future__ import annotations
@@ -256,7 +236,16 @@ def record_best(rec: Recorder, records: list[dict]) -> list[dict]:
 def run_all(rec: Recorder, children: Iterable[Child],
             timeout_s: float = CHILD_TIMEOUT_S) -> list[dict]:
     """Every child in turn (`run_child`), then `record_best` over what they measured;
-    returns all those records."""
+    returns all those records.
+
+    The protocol: a child prints one JSON record a line on stdout, each tagged with its
+    ``pid``, ``process`` (its label) and ``backend``, and ends with a ``peer_process`` record
+    (its wall seconds, whether MLX and torch were loaded in it). A peer that is not importable
+    is a ``peer_skipped`` record; a measurement that fails is a ``peer_error`` record and the
+    child goes on; a child that fails or overruns is a ``peer_error`` record in the parent's
+    name and the run goes on. `record_best` adds the best backend of each backend-swept peer;
+    `ratios` and `attention_ratios` put prefillq's figures over them, within the run.
+    """
     records = [r for child in children for r in run_child(rec, child, timeout_s)]
     return records + record_best(rec, records)
 

@@ -1,13 +1,6 @@
 """Where a GPU prefill's time goes, module by module (DeepSeek-V4 and Gemma 3 shapes).
 
     python -m bench.gpu_profile [--layers 4] [--tokens 8192 32768] [--chunk 2048]
-
-Each listed module's ``__call__`` is wrapped to `mx.eval` its output and add the wall time
-to its total, so the lazily built graph runs module by module (a little slower than the
-unprofiled prefill, which the last row gives for comparison). Times are inclusive: the
-attention's includes its compressor and indexer. One JSON line per module and case, plus
-the DeepSeek-V4 prefill timed with each routed-experts path (`MoE._padded`, `MoE._gathered`,
-`MoE._grouped`).
 """
 
 from __future__ import annotations
@@ -36,7 +29,13 @@ def _outputs(value) -> list[mx.array]:
 
 @contextmanager
 def module_timer(targets: dict[str, tuple[type, str]]):
-    """Wrap ``cls.method`` for every ``name: (cls, method)``; yields ``{name: [s, calls]}``."""
+    """Wrap ``cls.method`` for every ``name: (cls, method)``; yields ``{name: [s, calls]}``.
+
+    Each wrapped ``__call__`` `mx.eval`s its output and adds the wall time to its total, so the
+    lazily built graph runs module by module (a little slower than the unprofiled prefill,
+    which `main`'s last row gives for comparison). Times are inclusive: the attention's
+    includes its compressor and indexer.
+    """
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     originals = []
     for name, (cls, method) in targets.items():
@@ -71,6 +70,9 @@ def profile_case(rec: Recorder, label: str, model, targets, n: int, chunk: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One JSON line per module and case, plus the DeepSeek-V4 prefill timed with each
+    routed-experts path (`MoE._padded`, `MoE._gathered`, `MoE._grouped`).
+    """
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4,

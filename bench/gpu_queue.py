@@ -2,16 +2,6 @@
 against the same prefill in process, side by side (bf16, Gemma 3 270M shapes, random weights).
 
     python -m bench.gpu_queue [--repeats N] [--out FILE]
-
-One JSON line per measurement. The runs alternate (in process, queued, queued, in process,
-...) and each side keeps its fastest. Both are timed from the same point, after the ids are
-checked and the cache planned (its buffers are allocated lazily, in the first chunk). In
-process: `Prefill.run` (every chunk, the final logits). Queued: the job's ``prefill_s`` (its
-first start to ``finished``: the rest of its one RQ execution, a round trip per chunk, the
-final logits; the publish's own round trip comes after). Jobs carry token ids and ask for no
-top-k, so the random-weight model needs no tokenizer. Then the same queued 32K prefill with
-KV checkpoints at the worker's default interval and after every chunk, against none
-(``gpu_checkpoint_overhead``).
 """
 
 from __future__ import annotations
@@ -58,6 +48,12 @@ def random_gemma3() -> LoadedModel:
 
 def queue_over_in_process(rec: Recorder, loaded: LoadedModel, n: int, chunk: int,
                           repeats: int) -> None:
+    """Record ``gpu_queue_over_in_process``: the runs alternate (in process, queued, queued, in
+    process, ...) and each side keeps its fastest; in process is `in_process_seconds`, queued
+    the job's ``prefill_s`` (its first start to ``finished``: the rest of its one RQ execution,
+    a round trip per chunk, the final logits; the publish's own round trip comes after). Jobs
+    carry token ids and ask for no top-k, so the random-weight model needs no tokenizer.
+    """
     ids = mx.random.randint(0, loaded.vocab_size, (n,)).tolist()
     with queued_prefill(loaded, top_k=0) as queued:
         in_process_seconds(loaded, ids, chunk)  # compile kernels, warm the allocator

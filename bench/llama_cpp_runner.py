@@ -2,14 +2,8 @@
 
     python bench/llama_cpp_runner.py MODEL.gguf N_CTX N_THREADS N_BATCH N_UBATCH FLASH_ATTN
 
-This file imports only llama-cpp-python and the standard library: it runs under the
+It imports only llama-cpp-python and the standard library: it runs under the
 benchmark-only interpreter that `make bench-llama` builds, never under prefillq's own.
-
-Protocol (JSON lines): stdin gets one line with the prompt's token ids, then one line per run
-(any content); after loading it prints ``{"ready": true, ...}`` and after each run
-``{"seconds": float, "top1": int}``. It exits at end of input. The prompt is evaluated with
-`Llama.eval` (batches of N_BATCH tokens, each decoded in N_UBATCH-token micro-batches) on an
-emptied KV cache; the seconds cover the decode calls only, as our side's cover the chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +14,12 @@ import time
 
 
 def main(argv: list[str]) -> int:
+    """Protocol (JSON lines): stdin gets one line with the prompt's token ids, then one line per
+    run (any content); after loading it prints ``{"ready": true, ...}`` and after each run
+    ``{"seconds": float, "top1": int}``. It exits at end of input. The prompt is evaluated with
+    `Llama.eval` (batches of N_BATCH tokens, each decoded in N_UBATCH-token micro-batches) on an
+    emptied KV cache; the seconds cover the decode calls only, as our side's cover the chunks.
+    """
     import llama_cpp
     import numpy as np
 

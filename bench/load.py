@@ -1,21 +1,8 @@
 """python -m bench.load [--jobs 1000] [--workers 3] [--model gemma3-tiny] [--json] [--out FILE]
 
 Many jobs of mixed lengths through ``prefillq worker`` processes on one redis-server: that
-every job finishes exactly once, jobs/s and submit-to-finished latency per length class,
-and Redis memory before, at its peak, and once the jobs' TTLs have expired.
-
-Starts its own redis-server and workers with short ``--result-ttl``/``--logits-ttl`` (so
-the run can wait for expiry). Each phase subscribes to every job's events channel
-(``prefillq:*:events``, counted per job), submits from `clients` threads as fast as they
-can (a quarter of the jobs with an idempotency key, submitted twice: a client's retry),
-reads each job's status as its terminal message comes, waits for every job to end and
-then for every record to expire, and reads memory and the keys left. A warm-up phase
-comes first (4 jobs per worker, so a worker also admits between chunks): Redis allocates
-some memory once, at a command's first call (a latency histogram per command, the Lua
-scripts) or a queue's first job, and the baseline is taken after it. Memory is compared
-apart from the connections' buffers too (`bench.observe.memory_now`). Latency is a job's
-``finished_at`` minus its ``enqueued_at`` (both from its status). Run it with the OpenBLAS
-env (``env $(python -m model.runtime.blas)``); the workers inherit it.
+every job finishes exactly once, jobs/s and latency per length class, and Redis memory
+before, at its peak, and once the jobs' TTLs have expired (`run_load`).
 """
 
 from __future__ import annotations
@@ -270,6 +257,16 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> LoadRun:
     Raises:
         RuntimeError: a worker did not register.
         TimeoutError: a phase's jobs did not all end, or their records expire, in time.
+
+    Each phase subscribes to every job's events channel (``prefillq:*:events``, counted per
+    job), submits from `cfg.clients` threads, reads each job's status as its terminal message
+    comes, waits for every job to end and then for every record to expire (short
+    ``--result-ttl``/``--logits-ttl``), and reads memory and the keys left. The warm-up (4 jobs
+    per worker, so a worker also admits between chunks) comes first: Redis allocates some
+    memory once, at a command's first call or a queue's first job, so the baseline is taken
+    after it. Memory is compared apart from the connections' buffers too
+    (`bench.observe.memory_now`); latency is a job's ``finished_at`` minus its ``enqueued_at``.
+    Run it with the OpenBLAS env (``env $(python -m model.runtime.blas)``); workers inherit it.
     """
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)

@@ -13,12 +13,10 @@ from .load import CLASS_SHARES, LENGTH_CLASSES
 from .observe import TERMINAL
 
 ALL = "all"
-# |memory_growth| within this many bytes is "back to baseline". Measured +0.1 to +5.0 KB
-# over runs of 30 to 1,000 jobs, not in proportion to the jobs (+1.6 KB at 500, +2.4 and
-# +5.0 KB at 1,000): one-offs such as a Lua script first run in the measured phase
-# (408 B), the keyspace tables a size up or down (256-512 B each), new histogram fields in
-# the counters' hash (~100 B), a worker's pool connection opened late (~550 B each beyond
-# its buffers). Keys left per job are `keys_grown`'s and `job_keys_left`'s to find.
+# |memory_growth| within this many bytes is "back to baseline": Redis's one-off allocations
+# (a Lua script's first run, the keyspace tables resized, new histogram fields, a pool
+# connection opened late) do not grow with the jobs (docs/benchmarks.md, "Load"). Keys left
+# per job are `keys_grown`'s and `job_keys_left`'s to find.
 MEMORY_MARGIN = 8192
 # A key of a pattern the baseline had may grow by this many bytes (counters' digits, new
 # histogram fields); an entry naming a job costs >= 33 bytes (its id), 2 KB over 60 jobs.

@@ -1,17 +1,6 @@
 """Where one Gemma 3 chunk's time goes, op group by op group (MLX has no CPU profiler).
 
     python -m bench.profile [--chunk 2048] [--position 2048] [--repeats 3]
-
-Each group runs alone, split over CPU streams as in the model (`model.runtime.streams`;
-``PREFILLQ_CPU_STREAMS=1`` for one stream), on arrays of the real shapes (the loaded model's
-weights, a chunk of `--chunk` queries at `--position`), is `mx.eval`-ed, and is timed as the
-fastest of `--repeats`. Each group's time times the number of times it runs per forward
-pass (per layer, per layer kind), summed over groups, predicts a chunk's time; the measured
-time of a whole chunk is printed next to it. Expect the sum to exceed the measurement (1.5x
-on a 2-core AMD EPYC): timed alone, each group synchronizes and allocates on its own and
-cannot overlap with the others as in the whole graph, so read the groups as shares. Group
-names say what runs and how often per forward (``norms_6``: the six RMS norms of a layer).
-One JSON line per group.
 """
 
 from __future__ import annotations
@@ -30,6 +19,11 @@ def _time(fn, repeats: int) -> float:
 
 
 def profile(loaded, chunk: int, position: int, repeats: int) -> list[dict]:
+    """Each group runs alone on arrays of the real shapes (a chunk of `chunk` queries at
+    `position`), split over CPU streams as in the model (``PREFILLQ_CPU_STREAMS=1``: one),
+    the fastest of `repeats`. Each time the runs per forward pass (``norms_6``: a layer's six
+    RMS norms), summed, predicts a chunk's time; timed alone, groups cannot overlap as in the
+    whole graph, so the sum exceeds a measured chunk (`main`): read the groups as shares."""
     from model.archs.gemma3 import gelu_gate
     from model.cache import window_mask
     from model.runtime.streams import split_map

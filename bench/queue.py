@@ -64,7 +64,7 @@ def queued_prefill(loaded: LoadedModel, top_k: int = 5, **worker_kwargs
 def queue_overhead_per_chunk(rec: Recorder, chunks: int = 64, chunk_tokens: int = 16,
                              repeats: int = 3) -> None:
     """What the queue costs one chunk beyond its forward pass, on the tiny synthetic Gemma 3
-    (a forward pass of ~1-10 ms, so the queue's own cost stands out), through a real
+    (its forward passes are short, so the queue's own cost stands out), through a real
     redis-server: the wall milliseconds per chunk outside forward passes (the job's fixed
     cost included, spread over its chunks), and the Redis commands one more chunk costs
     (``INFO commandstats`` of the same prompt in `chunks` and in `chunks` / 4 chunks,

@@ -1,16 +1,4 @@
-"""The side-by-side ratios, from one set of alternating runs on one prompt:
-
-- `chunked_over_one_pass`: our prefill in default-size chunks vs the same prompt in one pass;
-- `forward_over_mlx_lm`: the chunked prefill vs mlx-lm's `generate_step` prefill (its loop,
-  caches and masks) on the same arrays, same MLX and BLAS, same process, same 2,048-token
-  step;
-- `queue_over_in_process`: a job through a real redis-server and the worker loop vs the
-  chunked prefill in process.
-
-Running all four in turn (chunked, one pass, mlx-lm, queued, chunked, ...) puts each ratio's
-two sides under the same drift of this shared machine's speed, and lets the chunked runs
-serve as the denominator of all three.
-"""
+"""The side-by-side ratios (`side_by_side`), from one set of alternating runs on one prompt."""
 
 from __future__ import annotations
 
@@ -25,8 +13,11 @@ from .queue import queued_prefill
 
 
 def side_by_side(rec: Recorder, loaded: LoadedModel, n: int, repeats: int) -> None:
-    """Record the three ratios above for an `n`-token prompt, each side the fastest of
-    `repeats` runs.
+    """Record, for an `n`-token prompt, our chunked prefill over: one pass
+    (``chunked_over_one_pass``), mlx-lm's `generate_step` prefill on the same arrays and
+    2,048-token steps (``forward_over_mlx_lm``), and a job through a real redis-server and
+    the worker loop (``queue_over_in_process``); each side the fastest of `repeats`. The
+    four run in turn, so each ratio's sides share the machine's drift.
 
     Raises:
         ValueError: `n` is not a multiple of 2,048, so our default plan and mlx-lm's steps

@@ -2,14 +2,7 @@
 
 Many worker processes on one redis-server: chunks/s, Redis commands/s and Redis CPU over a
 steady window, and from the Redis CPU per chunk how many GPU workers one Redis primary would
-serve. Starts its own redis-server and ``prefillq worker`` processes (the tiny Gemma 3 with
-16-token chunks, so Redis sees many chunks a second), submits enough jobs to keep every
-worker busy, measures after a warm-up, then stops the workers with SIGTERM (they hand their
-jobs back) and kills the server. Run it with the OpenBLAS env (``env $(python -m
-model.runtime.blas)``); the workers inherit it.
-
-On a machine with fewer cores than workers chunks/s is bound by the workers' CPU; the Redis
-CPU per chunk is the number that carries over to fast workers.
+serve (`measure`, `report`).
 """
 
 from __future__ import annotations
@@ -36,8 +29,8 @@ from .common import Recorder, log, machine_context, refuse_existing
 
 MODEL = "gemma3-tiny"
 CHUNK_TOKENS = 16
-# An H200 runs a 2,048-token Gemma 3 270M chunk in ~13 ms (157K tok/s; the H200 runs in
-# docs/benchmarks.md measured 143K-161K tok/s at 2,048-token chunks).
+# 2,048-token Gemma 3 270M chunks an H200 runs a second (docs/benchmarks.md, "The H200
+# results", has its tok/s).
 GPU_CHUNKS_PER_S = 77.0
 # Redis runs commands on one thread: a primary has one core for them.
 REDIS_CORES = 1.0
@@ -186,7 +179,13 @@ class Window:
 
 
 def measure(args: argparse.Namespace, log_dir: Path) -> Window:
-    """Start redis-server and the workers, submit, warm up, measure one window, stop."""
+    """Start redis-server and the workers, submit, warm up, measure one window, stop.
+
+    Its own redis-server and ``prefillq worker`` processes (the tiny Gemma 3 with 16-token
+    chunks, so Redis sees many chunks a second); enough jobs to keep every worker busy; one
+    window after a warm-up; then SIGTERM to the workers (they hand their jobs back) and the
+    server killed. Run it with the OpenBLAS env (``env $(python -m model.runtime.blas)``).
+    """
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
         fleet = WorkerFleet(server.url, args.workers, log_dir)
@@ -205,7 +204,11 @@ def measure(args: argparse.Namespace, log_dir: Path) -> Window:
 
 
 def report(rec: Recorder, args: argparse.Namespace, w: Window) -> None:
-    """The six records of one window, each with how it was measured."""
+    """The six records of one window, each with how it was measured.
+
+    On a machine with fewer cores than workers chunks/s is bound by the workers' CPU; the
+    Redis CPU per chunk is the number that carries over to fast workers.
+    """
     cores = os.cpu_count()
     how = {"workers": args.workers, "window_s": round(w.seconds, 2), "chunks": w.chunks,
            "jobs": args.jobs, "chunks_per_job": args.chunks_per_job,

@@ -1,14 +1,6 @@
 """The dead-worker reaper: jobs held by a worker whose heartbeat expired go back to intake.
 
-A worker's KV caches die with its process, so its jobs restart at cursor 0 with
-``attempts + 1``, or end ``failed`` with ``WorkerLost`` once failures reach
-``max_attempts``; jobs routed to it and not started yet (its own queue) move to intake, and
-so do the jobs it had dequeued and not yet started (its taking set, `worker.taking`).
-Every live worker runs this on a timer; ``prefillq reap`` runs it once.
-Each job moves in one fenced script (it must still be ``prefilling`` on the dead worker),
-so two reapers racing, or a worker declared dead that still runs, cannot double-queue or
-double-publish it; the jobs it ends (``failed``, or ``canceled`` when a cancel was pending)
-are counted (`jobs.stats`) with the deletion of the worker's keys.
+Every live worker runs it on a timer; ``prefillq reap`` runs it once.
 """
 
 from __future__ import annotations
@@ -59,7 +51,16 @@ def _reap_job(redis: Redis, scripts: Scripts, worker: str, job_id: str,
 
 
 def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reaped]:
-    """One pass: requeue (or fail) every job of every dead worker, then forget the worker."""
+    """One pass: requeue (or fail) every job of every dead worker, then forget the worker.
+
+    A worker's KV caches die with its process, so its jobs restart at cursor 0 with
+    ``attempts + 1``, or end ``failed`` with ``WorkerLost`` once failures reach
+    ``max_attempts``; jobs on its own queue, and those it had dequeued and not yet started
+    (its taking set, `worker.taking`), move to intake. Each job moves in one fenced script
+    (it must still be ``prefilling`` on the dead worker), so two reapers racing, or a worker
+    declared dead that still runs, cannot double-queue or double-publish it; the jobs it
+    ends are counted (`jobs.stats`) with the deletion of the worker's keys.
+    """
     scripts = Scripts(redis)
     reaped = []
     for worker in dead_workers(redis):

@@ -1,30 +1,8 @@
 """The cluster's numbers in Redis: what workers and clients record, and how a reader gets them.
 
 Workers have no HTTP server, so what a gateway serves (``/metrics``, ``/health``) lives in
-Redis. Counters are fields of one hash, ``keys.STATS``, incremented by whoever makes the
-transition, in a round trip it sends anyway where there is one:
-
-- ``submitted``: jobs a `submit` created (in its MULTI; an idempotent resubmit returns the
-  first job and counts nothing).
-- ``finished``, ``failed``, ``canceled``: jobs that reached that state, each once, by the
-  caller whose fenced script ended it (a worker's publish, checkpoint, fail or requeue, the
-  reaper, or a client's cancel of a queued job); a fenced script ends nothing.
-- ``tokens_prefilled``: tokens run through a forward pass, never those reused from a
-  session's slot or restored from a checkpoint; a chunk counts even when its job was
-  canceled or fenced meanwhile (the work was done).
-- ``chunk_le:<bound>`` (`CHUNK_SECONDS_BUCKETS`, then ``+Inf``): chunks whose forward pass
-  took at most `bound` seconds and more than the bound before (not cumulative: one
-  increment per chunk; their sum is the chunk count), and ``chunk_seconds_sum``.
-
-The counters are best effort: a worker drops a stats write Redis refuses (maxmemory) rather
-than fail a job, and a pipeline redis-py resends after a lost connection counts twice.
-
-The rest is read from the keys the queue keeps anyway: queue lengths, workers, their
-heartbeats, models and held jobs. `read_plan` builds every read and decodes the replies
-without I/O; `read_cluster_stats` (redis.asyncio) and `read_cluster_stats_sync` (redis) only
-send its pipelines, so the two cannot drift apart. It costs two round trips, three when a
-model has an intake queue at a priority other than 0; the commands grow with the number of
-registered models and workers, not with jobs.
+Redis: counters in one hash, ``keys.STATS`` (`ClusterStats` says what each counts), the rest
+read from the keys the queue keeps anyway (`read_plan`).
 """
 
 from __future__ import annotations
@@ -124,11 +102,23 @@ class ChunkHistogram:
 class ClusterStats:
     """The cluster's numbers (`read_cluster_stats`).
 
+    The counters are fields of ``keys.STATS``, incremented by whoever makes the transition,
+    in a round trip it sends anyway where there is one. They are best effort: a worker drops
+    a stats write Redis refuses (maxmemory) rather than fail a job, and a pipeline redis-py
+    resends after a lost connection counts twice.
+
     Attributes:
-        submitted, finished, failed, canceled: jobs since the counters began (see the
-            module's docstring for what counts).
-        tokens_prefilled: tokens run through a forward pass.
-        chunks: the chunk-time histogram.
+        submitted: jobs a `submit` created (in its MULTI; an idempotent resubmit returns
+            the first job and counts nothing).
+        finished, failed, canceled: jobs that reached that state, each once, counted by the
+            caller whose fenced script ended it (a worker's publish, checkpoint, fail or
+            requeue, the reaper, or a client's cancel of a queued job); a fenced script ends
+            nothing.
+        tokens_prefilled: tokens run through a forward pass, never those reused from a
+            session's slot or restored from a checkpoint; a chunk counts even when its job
+            was canceled or fenced meanwhile (the work was done).
+        chunks: the chunk-time histogram (fields ``chunk_le:<bound>``, one increment per
+            chunk, not cumulative, and ``chunk_seconds_sum``).
         queue_depth: per registered model, executions waiting in its intake queues (every
             priority): what `submit`'s QueueFull check counts, so a job canceled while queued
             stays in until a worker pops (and skips) it.
@@ -200,7 +190,9 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
 
     Round trip 1 reads the counters and the registered models and workers; 2, per model its
     intake priorities and priority-0 length, per worker its heartbeat, models, held jobs and
-    own queue; 3 (only when needed) the other priorities' lengths.
+    own queue; 3 (only when needed) the other priorities' lengths. The commands grow with
+    the registered models and workers, not with jobs. `read_cluster_stats` (redis.asyncio)
+    and `read_cluster_stats_sync` (redis) only send these pipelines, so they cannot drift.
     """
     raw, model_names, worker_names = yield [
         ("hgetall", keys.STATS), ("hkeys", keys.MODELS), ("smembers", keys.WORKERS)]

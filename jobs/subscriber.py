@@ -1,16 +1,8 @@
 """`Subscriber`: one Redis pub/sub connection shared by every waiter of an asyncio client.
 
-A waiter enters ``subscriber.subscribe(channel)`` and awaits ``wait(timeout)`` on what it
-gets; a background reader on the one connection wakes every waiter of a channel when a
-message arrives there. A channel is subscribed when its first waiter enters and
-unsubscribed when its last one leaves, however it leaves (return, error, cancellation): a
-leave only updates the table, and a sync task makes the connection's subscriptions match
-it. So a gateway with thousands of blocking requests holds one pub/sub connection, not one
-per request.
-
-Waits are hints, never the truth: a waiter re-reads what it waits on after every wake and
-at least every few seconds of its own choosing (`jobs.aio` uses WATCH_RECHECK_S), so a
-message lost to a dropped connection or a reconnect only delays it by one recheck.
+So a gateway with thousands of blocking requests holds one pub/sub connection, not one per
+request. Waits are hints, never the truth: a waiter re-reads what it waits on after every
+wake and at least every few seconds of its own choosing (`jobs.aio` uses WATCH_RECHECK_S).
 """
 
 from __future__ import annotations
@@ -93,6 +85,12 @@ class _Channel:
 
 class Subscriber:
     """One pub/sub connection, its reader task and the waiters of each channel.
+
+    A background reader on the one connection wakes every waiter of a channel when a
+    message arrives there. A channel is subscribed when its first waiter enters and
+    unsubscribed when its last one leaves, however it leaves (return, error, cancellation):
+    a leave only updates the table, and a sync task makes the connection's subscriptions
+    match it. A message lost to a dropped connection only delays a waiter by one recheck.
 
     The tasks start on the first `subscribe` (in its event loop) and stop on `aclose`; a
     later `subscribe` starts them again. After the connection drops, redis-py reconnects

@@ -1,18 +1,8 @@
-"""The KV cache contract every architecture's cache follows, its ring and window mask.
-
-- A layer writes a chunk's rows at the committed ``position``; ``commit`` advances it only
-  after the chunk was evaluated, so a chunk that raises leaves the cache ``poisoned``, and
-  a chunk whose job ends before it commits is ``abandon``-ed (`CommittedCache.begin`).
-- Append-only buffers need no copy to snapshot (restoring ``position`` hides later rows);
-  rings (`RingBuffer`) are kept as values.
-- ``state()`` / ``from_state()`` turn a cache into named little-endian blobs plus a
-  msgpack/JSON-able dict and back, exactly (`CommittedCache.state`, `model.cache_state`).
-- Plans (shapes and bytes) are `model.cache_plan`'s.
+"""The KV cache contract every architecture's cache follows (`CommittedCache`), its ring and mask.
 
 The caches: `model.kv_cache.ModelCache` (global and sliding-window layers, Gemma 3) and
-`model.archs.deepseek4.cache.Deepseek4Cache`.
-The commit-after-success contract follows hf2q's ``Deepseek4Cache``
-(github.com/robertelee78/hf2q, ``src/inference/models/deepseek4``).
+`model.archs.deepseek4.cache.Deepseek4Cache`. The commit-after-success contract follows
+hf2q's ``Deepseek4Cache`` (github.com/robertelee78/hf2q, ``src/inference/models/deepseek4``).
 """
 
 from __future__ import annotations

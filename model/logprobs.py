@@ -1,21 +1,7 @@
 """Prompt log-probabilities: the output head on every position of each chunk.
 
-For a job that asks for them (``prompt_logprobs=K``) each chunk's forward pass keeps every
-position's final hidden state, runs the output head on all of them, takes a float32
-log-softmax over the vocabulary and keeps only what the job returns: the logprob of the
-actual next prompt token and the top K (id, logprob) at each position. The ``(L, vocab)``
-logits never leave the device.
-
-Cost: the head is vocab x hidden multiply-adds per position. For Gemma 3 270M that is
-262,144 x 640 ~ 168 M multiply-adds (~336 MFLOP) a token, about the rest of the model's
-per-token cost again, plus the (L, vocab) log-softmax and top-K selection. Measured on Gemma
-3 270M, float32 on 2 shared CPU cores, 512 tokens at the default chunk: 217 tok/s without,
-55 tok/s with K=5 (about 4x slower). Normal jobs run the head on the last position only.
-
-Positions follow OpenAI's ``echo`` convention: entry i (0 <= i < n) is prompt token i with
-the logprob of ``ids[i]`` given ``ids[:i]`` (None at i = 0) and the top K given ``ids[:i]``
-(empty at i = 0); entry n is the position after the prompt: no token, and the top K of the
-final logits, the same values as the job's ``top_k`` result.
+Only what a job returns (each next token's logprob and the top K) leaves the device, never
+the ``(L, vocab)`` logits (docs/benchmarks.md, "Figures behind the code's choices", has the cost).
 """
 
 from __future__ import annotations
@@ -56,6 +42,11 @@ def chunk_head(model: PrefillModel, every: mx.array, targets: Sequence[int], k: 
 
 class PromptLogprobs:
     """The per-position results of one prefill, filled chunk by chunk.
+
+    Positions follow OpenAI's ``echo`` convention: entry i (0 <= i < n) is prompt token i
+    with the logprob of ``ids[i]`` given ``ids[:i]`` (None at i = 0) and the top K given
+    ``ids[:i]`` (empty at i = 0); entry n is the position after the prompt: no token, and
+    the top K of the final logits, the same values as the job's ``top_k`` result.
 
     Args:
         token_ids: the prompt (n ids).

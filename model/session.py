@@ -1,20 +1,8 @@
 """Sessions: a conversation's next prompt prefills only what its retained cache lacks.
 
-A `SessionSlot` keeps one conversation's KV cache on a worker, the token ids committed into
-it, the last position's final hidden state, and a turn anchor: a whole-cache snapshot at
-``recovery_position = n - 8`` of a prompt, taken by ending a chunk there, because a chat
-template may rewrite the last tokens of a turn. `session_prefill` picks what to reuse by the
-rules of hf2q's DeepSeek-V4 serving adapter (seed ``000_5548d34d07140090``:
-``Deepseek4Session``, ``select_prefix_reuse``, ``prefer_matrix_prefill``, ``prefill_suffix``):
-
-- ``live(n)``: the prompt starts with all n committed tokens (and the cache is not poisoned);
-- else ``recovery-anchor(n)``: it starts with the anchor's n tokens and is longer;
-- else ``reset``; and a cold prefill wins when the suffix is over 32 tokens while the prefix
-  is under 128 (one matrix pass beats a long suffix after a trivial prefix).
-
-Rollback goes only through a whole snapshot (the anchor) or a reset, never by trimming a
-cache: a ring that has wrapped past a position cannot give that position's rows back. So a
-prompt that is a strict prefix of the committed tokens restores the anchor or resets.
+A `SessionSlot` keeps one conversation's cache on a worker; `session_prefill` reuses it by
+the rules of hf2q's DeepSeek-V4 serving adapter (seed ``000_5548d34d07140090``:
+``Deepseek4Session``, ``select_prefix_reuse``, ``prefer_matrix_prefill``, ``prefill_suffix``).
 """
 
 from __future__ import annotations
@@ -159,6 +147,12 @@ class SlotTaken(RuntimeError):
 @dataclass(eq=False)
 class SessionSlot:
     """One session's retained state on one worker.
+
+    The turn anchor is a whole-cache snapshot at a prompt's ``recovery_position`` (a chunk
+    ends there), because a chat template may rewrite the last tokens of a turn. Rollback
+    goes only through the anchor or a reset, never by trimming the cache: a ring that has
+    wrapped past a position cannot give its rows back, so a prompt that is a strict prefix
+    of the committed tokens restores the anchor or resets.
 
     Attributes:
         cache: its KV cache; ``cache.position == len(committed)`` unless a chunk failed.

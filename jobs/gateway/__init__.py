@@ -1,16 +1,7 @@
 """The HTTP gateway, ``prefillq serve``: an ASGI app (FastAPI, served by uvicorn) over
 `jobs.aio.AsyncPrefillClient`. Installed with ``pip install 'prefillq[gateway]'``; it never
-imports MLX.
-
-- native jobs API (`jobs.gateway.native`): ``/v1/prefill`` submit, status, result, cancel,
-  Server-Sent Events, and ``/v1/models``;
-- OpenAI-compatible scoring (`jobs.gateway.completions`): ``POST /v1/completions`` with
-  ``echo``, ``logprobs`` and ``max_tokens`` of 0 or 1;
-- tokenizer endpoints (`jobs.gateway.tokenize`): ``/tokenize``, ``/detokenize``,
-  ``/tokenizer_info``;
-- ``/health`` and ``/metrics`` (`jobs.gateway.observe`).
-
-Errors are JSON, ``{"error": {"message", "type", "code"}}`` (`jobs.gateway.errors`).
+imports MLX. One module per API: `native`, `completions`, `tokenize`, `observe` (``/health``,
+``/metrics``); errors are JSON (`jobs.gateway.errors`). docs/gateway.md describes the API.
 """
 
 __all__ = ["create_app"]

@@ -1,24 +1,8 @@
 """OpenAI-compatible ``POST /v1/completions`` for scoring: the legacy completions request and
-response, answered by prefill jobs.
+response, answered by prefill jobs (at most one token: the argmax of the final logits).
 
-A prefill computes the prompt's distribution, so a completion here is at most one token: the
-argmax of the final logits (``max_tokens`` of 1, the default) or none (``max_tokens`` of 0).
-``echo`` returns the prompt; ``logprobs=K`` gives each token's log-probability and the top K
-alternatives, computed by the worker (``prompt_logprobs=K``) for the prompt's positions.
-``prompt`` may be a string, a list of strings, a list of token ids or a list of such lists;
-a batch is one job per prompt, interleaved by the queue. This is what lm-evaluation-harness's
-``local-completions`` model sends for log-likelihoods (``lm_eval/models/openai_completions.py``):
-it sums ``token_logprobs[ctxlen:-1]`` and compares each with ``max(top_logprobs[i])``.
-
-The echo covers what the client sent: a text prompt's tokens, less the BOS the model's
-tokenizer puts first, or the token ids as given; that BOS is context, so the first echoed token
-has a logprob. With ``prefillq serve --score-with-bos``, token ids that do not start with
-the model's BOS are scored after one too, for clients that tokenize without it (lm-eval's
-remote tokenizer). ``tokens`` are each token's share of the echoed ``text`` (control tokens
-included) and ``text_offset`` indexes it exactly (`jobs.tokenizer.ServedTokenizer.pieces`).
-
-Sampling cannot be honoured: ``temperature`` must be 0 (or absent) when a token is asked for,
-and ``n``, ``best_of`` above 1, ``stream``, ``suffix`` and ``logit_bias`` are refused.
+It is what lm-evaluation-harness's ``local-completions`` model sends for log-likelihoods
+(``lm_eval/models/openai_completions.py``); docs/gateway.md describes the request.
 """
 
 from __future__ import annotations

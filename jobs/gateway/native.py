@@ -1,17 +1,4 @@
-"""The native jobs API: `AsyncPrefillClient` over HTTP.
-
-- ``POST /v1/prefill``: `submit`'s fields as a JSON object; 202 with the job id and a
-  ``Location`` header.
-- ``GET /v1/prefill/{id}``: the status, as ``prefillq status --json`` prints it.
-- ``GET /v1/prefill/{id}/result?wait=S``: the result as ``prefillq result --json`` prints it
-  (plus ``logits`` for ``logits="full"``); 202 with the status while the job is not
-  terminal after `S` seconds (default 0); 409 ``JobFailed``/``JobCanceled`` with the status.
-- ``DELETE /v1/prefill/{id}``: cancel (idempotent).
-- ``GET /v1/prefill/{id}/events``: Server-Sent Events, one per status change (each chunk's
-  cursor, ``n_tokens`` and ``progress``; chunks that end faster than the stream is read are
-  coalesced), the terminal one last, with the event name ``status`` or the terminal state.
-- ``GET /v1/models``: the models a live worker serves, in OpenAI's list shape.
-"""
+"""The native jobs API: `AsyncPrefillClient` over HTTP, at ``/v1/prefill`` and ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -76,6 +63,7 @@ Job = Annotated[JobStatus, Depends(existing)]
 
 @router.get("/v1/prefill/{job_id}")
 async def status(job: Job) -> dict:
+    """The status, as ``prefillq status --json`` prints it."""
     return job.to_dict()
 
 
@@ -84,7 +72,9 @@ async def result(request: Request, job_id: str, client: Client,
                  wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S,
                                      description="seconds to wait for a terminal state"),
                  ) -> JSONResponse:
-    """200 with the result once finished; 202 with the status while it is not terminal."""
+    """200 with the result once finished (plus ``logits`` for ``logits="full"``); 202 with
+    the status while it is not terminal after `wait` seconds; 409 ``JobFailed`` or
+    ``JobCanceled`` with the status."""
     try:
         done = await unless_disconnected(request, client.result(job_id, timeout=wait))
     except JobTimeout:
@@ -114,6 +104,10 @@ async def cancel(job_id: str, client: Client) -> dict:
 async def events(job: Job,
                  client: Client
                  ) -> AsyncIterator[ServerSentEvent]:
+    """Server-Sent Events, one per status change (each chunk's cursor, ``n_tokens`` and
+    ``progress``; chunks that end faster than the stream is read are coalesced), the terminal
+    one last; the event name is ``status`` or the terminal state.
+    """
     async for now in client.watch(job.job_id):
         name = now.state.value if now.state.is_terminal else "status"
         yield ServerSentEvent(event=name, data=now.to_dict())

@@ -1,21 +1,6 @@
 """Model architectures, one module (or sub-package) each, found by a GGUF's architecture name.
 
-The lookup works like mlx-lm's `_get_classes` (ml-explore/mlx-lm ``mlx_lm/utils.py``), which
-imports ``mlx_lm.models.<model_type>`` with `importlib.import_module` after a small
-``MODEL_REMAPPING`` table: here ``general.architecture`` names ``model.archs.<name>``, and
-`REMAPPING` lists only the names that differ from their module's. A third architecture is
-one module here (plus, to serve it by name, an entry in `model.registry.BUILTIN_MODELS`).
-
-An architecture module provides (see `gemma3`):
-
-- ``ARCHITECTURE``: its ``general.architecture`` name (the module's name; the names
-  `REMAPPING` sends to it are variants it reads from the GGUF, as `llama` does).
-- ``ModelArgs``, a dataclass with ``from_gguf(gguf) -> ModelArgs`` (metadata only) and
-  ``context_length`` and ``vocab_size`` attributes.
-- ``load(gguf, dtype) -> Model``: the weights, dequantized to `dtype`.
-- ``Model.make_cache(kv_dtype, capacity, context_length, capacity_step=None)``: an empty KV
-  cache; it has ``capacity_step`` and ``grow(capacity, snapshot=None)`` (sessions grow it).
-- ``cache_plan(args, context_length, kv_dtype)``: the cache's sizes, without allocating it.
+docs/models.md, "Adding an architecture", lists what an architecture module provides.
 """
 
 from __future__ import annotations
@@ -39,6 +24,9 @@ def supported() -> list[str]:
 
 def get_arch(architecture: str) -> ModuleType:
     """The module of `architecture` (a GGUF's ``general.architecture``).
+
+    As mlx-lm's ``_get_classes`` (``mlx_lm/utils.py``) imports ``mlx_lm.models.<model_type>``
+    after its ``MODEL_REMAPPING``, this imports ``model.archs.<name>`` after `REMAPPING`.
 
     Raises:
         GGUFError: no module here implements `architecture`; the message lists the

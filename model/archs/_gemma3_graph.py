@@ -1,22 +1,8 @@
-"""Gemma 3's chunk forward as two compiled graphs per layer, for GPUs.
+"""Gemma 3's chunk forward as two compiled graphs per layer (`_pre`, `_post`), for GPUs.
 
-A 2,048-token chunk of Gemma 3 270M is ~0.4 TFLOP, about a millisecond of an H200's tensor
-cores, yet the module-by-module forward takes ~10 ms there: the host builds some 45 MLX
-ops per layer and MLX launches each as its own kernel (`bench.gpu_ablate` measures the
-host's share). The stacked weights (below) are copies kept beside the model's own: ~65M
-parameters, ~130 MB in bf16, at 270M. Here each layer is two `mx.compile`d functions
-around the parts that cannot be compiled (the cache update, whose shapes change with the
-position, and the attention):
-
-- `pre`: the input norm, the q/k/v projections (one matmul over the three stacked), q/k
-  norms and RoPE at an array offset (so one trace serves every position);
-- `post`: the output projection, the residual and its norms, and the GELU-gated MLP (gate
-  and up stacked into one matmul).
-
-MLX fuses their elementwise ops into single kernels, and a compiled call costs the host
-one Python call instead of a dozen. Each function is traced once per (layer kind, chunk
-length). The equations are `model.archs.gemma3`'s exactly (`Attention`, `MLP`, `Block`);
-`tests/model/test_gemma3_graph.py` checks the two agree.
+The compiled calls save the host the building and launching of each layer's many small MLX
+ops (docs/benchmarks.md, "Where a GPU chunk's time goes"). The equations are
+`model.archs.gemma3`'s exactly; `tests/model/test_gemma3_graph.py` checks the two agree.
 """
 
 from __future__ import annotations
@@ -33,6 +19,8 @@ Attend = Callable[..., mx.array]
 
 def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
          kv_heads: int, head_dim: int, base: float):
+    """The input norm, q/k/v as one matmul, q/k norms and RoPE at an array `offset` (one
+    trace serves every position) -> q, k, v ``(B, heads, L, head_dim)``."""
     B, L, _ = x.shape
     qkv = mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T  # one matmul for q, k and v
     q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
@@ -49,6 +37,8 @@ def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int
 
 def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, *,
           eps: float):
+    """The output projection, the residuals and their norms, and the GELU-gated MLP (gate
+    and up as one matmul) -> the layer's output ``(B, L, hidden)``."""
     B, _, L, _ = attn.shape
     h = x + mx.fast.rms_norm(attn.transpose(0, 2, 1, 3).reshape(B, L, -1) @ w_o.T,
                              w_post_attn, eps)
@@ -58,7 +48,9 @@ def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, 
 
 class GraphForward:
     """``forward(model, inputs, cache, every_position)`` with the same contract as
-    `model.archs.gemma3.Model.__call__`, each layer's dense parts compiled.
+    `model.archs.gemma3.Model.__call__`, each layer's dense parts compiled around the parts
+    that cannot be (the cache update, whose shapes change with the position, and the
+    attention). Each function is traced once per (layer kind, chunk length).
 
     Args:
         attend: ``attend(q, keys, values, scale, position, window, mask)`` -> ``(B, heads,
@@ -84,7 +76,8 @@ class GraphForward:
     def _stacked(self, layer: int, block) -> tuple[mx.array, mx.array]:
         """Layer `layer`'s q, k, v weights stacked into one matrix, and gate and up into
         another, built on first use: one matmul each instead of three and two. The copies
-        follow the weights the model has then (weights do not change after loading)."""
+        follow the weights the model has then (weights do not change after loading); at Gemma 3
+        270M they add ~65M parameters (~130 MB in bf16)."""
         if layer not in self._weights:
             a, f = block.attn, block.mlp
             stacked = (mx.concatenate([a.attn_q.weight, a.attn_k.weight, a.attn_v.weight]),

@@ -1,13 +1,7 @@
 """Gemma 3 (text) in MLX, loaded from a llama.cpp GGUF.
 
-Follows mlx-lm's ``gemma3_text.py`` and llama.cpp's ``llm_build_gemma3``: sliding-window
-attention in five of every six layers (ring cache of ``sliding_window`` rows, RoPE base
-10,000), global attention in every sixth (RoPE base from the GGUF, 1,000,000), RMS-normed
-q/k, four norms per block, a GELU-tanh gated MLP, the embedding scaled by sqrt(hidden) and
-the output head tied to it. llama.cpp stores the norm weights with Gemma's +1 already added,
-so RMSNorm multiplies by the stored weight directly.
-
-Modules are named after the GGUF tensors (``blk.N.attn_q``), so loading needs no mapping.
+Follows mlx-lm's ``gemma3_text.py`` and llama.cpp's ``llm_build_gemma3``. Modules are named
+after the GGUF tensors (``blk.N.attn_q``), so loading needs no mapping.
 """
 
 from __future__ import annotations
@@ -154,6 +148,7 @@ class Block(nn.Module):
         eps = args.rms_norm_eps
         self.attn = Attention(args, layer)
         self.mlp = MLP(args)
+        # llama.cpp stores Gemma's norm weights with its +1 already added: used as stored.
         self.attn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
         self.post_attention_norm = nn.RMSNorm(args.hidden_size, eps=eps)
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=eps)
@@ -166,6 +161,11 @@ class Block(nn.Module):
 
 class Model(nn.Module, KVCacheModel):
     """Gemma 3 text model.
+
+    Sliding-window attention in five of every six layers (a ring cache of
+    ``sliding_window`` rows, RoPE base 10,000), global attention in every sixth (RoPE base
+    from the GGUF), RMS-normed q/k, four norms per block, a GELU-tanh gated MLP, and the
+    embedding scaled by sqrt(hidden) and tied to the output head.
 
     ``model(inputs, cache)`` runs one chunk and returns the hidden state of its last
     position; ``model.logits(hidden)`` applies the tied output head. Running the head on

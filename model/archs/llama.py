@@ -1,19 +1,8 @@
 """The Llama family in MLX, loaded from a llama.cpp GGUF: Llama 2/3, Mistral, Qwen 2, Qwen 3.
 
 Follows mlx-lm's ``models/llama.py`` and ``qwen3.py`` and llama.cpp's graphs for these
-architectures (``src/models/llama.cpp``, ``qwen2.cpp``, ``qwen3.cpp``): pre-norm blocks of
-grouped-query attention and a SwiGLU MLP, RMSNorm, RoPE. The variants come from the GGUF:
-
-- ``general.architecture``: ``llama`` (Mistral GGUFs say ``llama`` too) rotates adjacent
-  pairs (llama.cpp's ``LLAMA_ROPE_TYPE_NORM``: its converter permutes HF's q/k rows from
-  rotate-half to interleaved order), ``qwen2`` and ``qwen3`` rotate halves (``NEOX``).
-- RoPE: ``rope.freq_base``; Llama 3's frequency scaling as the ``rope_freqs`` tensor of
-  per-pair divisors of the frequencies; linear scaling (``rope.scaling.type`` linear,
-  ``rope.scaling.factor``) as positions over the factor.
-- Tensors present or not: q/k/v biases (Qwen 2), per-head q/k RMSNorm (Qwen 3), the output
-  head (``output.weight``; absent = tied to ``token_embd``), output and MLP biases.
-- ``attention.sliding_window`` (and ``attention.sliding_window_pattern``, a per-layer list
-  or a period as llama.cpp's ``set_swa_pattern``): those layers attend to a window.
+architectures (``src/models/llama.cpp``, ``qwen2.cpp``, ``qwen3.cpp``); `ModelArgs.from_gguf`
+reads the variants from the GGUF (docs/models.md, "The Llama family").
 """
 
 from __future__ import annotations
@@ -182,7 +171,10 @@ def rope_periods(base: float, dims: int, factors: np.ndarray) -> mx.array:
 
 
 class Rope(nn.Module):
-    """RoPE as llama.cpp applies it to these architectures (see the module docstring)."""
+    """RoPE as llama.cpp applies it to these architectures: ``llama`` rotates adjacent pairs
+    (``LLAMA_ROPE_TYPE_NORM``; its converter permutes HF's q/k rows to interleaved order),
+    ``qwen2`` and ``qwen3`` rotate halves (``NEOX``); Llama 3's ``rope_freqs`` divide the
+    frequencies, linear scaling divides the positions."""
 
     def __init__(self, args: ModelArgs, factors: np.ndarray | None = None):
         super().__init__()

@@ -40,8 +40,8 @@ class _Reader(GGUFReader):
     """`GGUFReader` over a plain ndarray view of its memory map.
 
     `np.memmap` slicing runs `__array_finalize__` on every one of the ~1M header reads that a
-    262,144-token vocabulary takes; a plain view of the same buffer parses ~3x faster
-    (19 s -> 6.5 s for Gemma 3 270M on a 2-core machine). Tensor data stays memory-mapped.
+    262,144-token vocabulary takes; a plain view of the same buffer parses faster
+    (docs/benchmarks.md, "Figures behind the code's choices"). Tensor data stays memory-mapped.
     """
 
     @property

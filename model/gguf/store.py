@@ -1,18 +1,7 @@
 """GGUF files built on first use (assembled from a package, or generated) and kept on disk.
 
-A file is built under an exclusive lock into ``<name>.partial`` next to it and renamed into
-place only once complete, so the final path holds either nothing, an older file, or a whole
-new file, whatever happens to the builder (SIGKILL, OOM kill, Ctrl-C):
-
-- ``os.replace`` is atomic on POSIX within one file system, which is why the partial file
-  lives in the target's directory.
-- ``fcntl.flock`` on ``<name>.lock`` makes concurrent first starts build the file once (the
-  others wait, then find it valid) and lets the partial file have a fixed name, so a killed
-  builder leaves no garbage that accumulates: the next builder truncates it. The kernel
-  drops the lock when its holder dies, so a killed builder cannot leave a stale lock.
-
-A file that exists but is not valid (truncated by an older writer, corrupted, or written by
-an older generator) is rebuilt with a warning.
+`build_once` builds a file at most once across processes, and a killed builder leaves no
+partial file at the final path.
 """
 
 from __future__ import annotations
@@ -40,6 +29,13 @@ def build_once(
     target: Path, build: Callable[[Path], object], is_valid: Callable[[Path], bool]
 ) -> Path:
     """`target`, built first when it is missing or `is_valid` rejects it.
+
+    The file is built under an exclusive ``flock`` on ``<name>.lock`` into
+    ``<name>.partial`` beside it and renamed into place once complete (``os.replace`` is
+    atomic within one file system), so the path holds nothing, an older file or a whole new
+    one whatever happens to the builder: concurrent first starts build it once, the kernel
+    drops a killed holder's lock, and the next builder truncates its partial file. A file
+    that exists but is not valid is rebuilt with a warning.
 
     Args:
         target: the file's final path; its directory is created if needed.

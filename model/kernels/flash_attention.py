@@ -1,15 +1,8 @@
 """Fused causal flash attention on CUDA for head dims MLX leaves unfused (256).
 
 MLX's CUDA `scaled_dot_product_attention` fuses only head dims up to 128 (cuDNN) or short
-queries; Gemma 3's heads are 256 wide, so it writes every score to memory and reads it back.
-This kernel (``flash_attention.cu``: FlashAttention-2's forward pass on mma.sync tensor
-cores, bf16 in, fp32 accumulation) computes a chunk's attention in one pass over the keys:
-GQA/MQA (one KV head serves ``H / KVH`` query heads), a query offset (the chunk's queries at
-``position ..`` attend to every earlier key in the cache), and sliding windows (key blocks
-wholly outside the window are never loaded).
-
-NVRTC compiles the kernel on first use per (head dim, block) shape; MLX caches it in the
-process.
+queries; Gemma 3's heads are 256 wide. ``flash_attention.cu`` is FlashAttention-2's forward
+pass on mma.sync tensor cores (bf16 in, fp32 accumulation), compiled by NVRTC on first use.
 """
 
 from __future__ import annotations
@@ -128,7 +121,8 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
             multiple of KVH.
         scale: the score scale.
         position: the chunk's first position.
-        window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None.
+        window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None;
+            key blocks wholly outside it are never loaded.
         block_n: keys per step (a multiple of 16).
         warps: warps per block, 16 queries each.
     Returns:

@@ -1,18 +1,8 @@
 """Fused attention over per-query key lists on CUDA: DeepSeek-V4's attention at head dim 512.
 
-DeepSeek-V4 attends, per query, a list of rows of one shared KV head (K = V): its sliding
-window and the compressed rows it may see, which on ratio-4 layers are the lightning
-indexer's top-k (the reference ``inference/kernel.py`` ``sparse_attn`` takes exactly such
-index lists), with a learned per-head attention sink in the softmax's denominator. MLX has
-no fused attention above head dim 128 on CUDA, and a mask cannot express a per-query
-gather. This kernel (``sparse_attention.cu``: FlashAttention-2's forward pass on mma.sync
-tensor cores, bf16 in, fp32 accumulation) gathers each query's rows tile by tile and runs
-64 heads of one query per block, so the shared KV rows are read once per query, not once
-per head (with `HEADS_PER_BLOCK` heads, as DeepSeek-V4-Flash's 64).
-
-`model.archs.deepseek4.sparse.gathered_attention` computes the same in MLX ops; it is the
-reference (`bench.gpu_check` compares them on the device) and the path on other devices.
-NVRTC compiles the kernel on first use per shape; MLX caches it in the process.
+``sparse_attention.cu`` is FlashAttention-2's forward pass on mma.sync tensor cores (bf16 in,
+fp32 accumulation) over index lists like the reference ``inference/kernel.py``
+``sparse_attn``'s; `model.archs.deepseek4.sparse.gathered_attention` is its MLX reference.
 """
 
 from __future__ import annotations
@@ -70,6 +60,10 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
     ``x_{i,h,s} = scale * q[0, h, i] . kv[idx[i, s]]`` over the slots ``idx[i, s] >= 0``,
     and the sink an extra logit in the softmax's denominator only (DeepSeek-V4 reference
     ``inference/model.py``, ``Attention``; MLX's ``scaled_dot_product_attention(sinks=)``).
+    MLX has no fused attention above head dim 128 on CUDA, and a mask cannot express a
+    per-query gather. A block runs `HEADS_PER_BLOCK` heads of one query, so the shared KV
+    rows are read once per query, not once per head; `bench.gpu_check` compares it with
+    `model.archs.deepseek4.sparse.gathered_attention` on the device.
 
     Args:
         q: bf16 ``(1, H, L, D)``, H a multiple of `HEADS_PER_BLOCK`, D in `HEAD_DIMS`, its

@@ -1,10 +1,9 @@
 """An optimized BLAS under MLX on a Linux CPU.
 
-The ``mlx-cpu`` wheel bundles the netlib reference BLAS: float32 GEMM at ~3 GFLOP/s where
-OpenBLAS reaches 80-140 on the same 2-core x86-64 VM, so prefill is ~45x slower.
-Preloading a BLAS that exports the CBLAS symbols overrides it; the loader only honours
-``LD_PRELOAD`` at process start, so the entry point re-executes itself once with it set.
-macOS (Accelerate, Metal) needs nothing.
+The ``mlx-cpu`` wheel bundles the netlib reference BLAS, which makes prefill ~45x slower
+(docs/benchmarks.md, "Figures behind the code's choices"). Preloading a BLAS that exports
+the CBLAS symbols overrides it; the loader only honours ``LD_PRELOAD`` at process start, so
+the entry point re-executes itself once with it set. macOS (Accelerate, Metal) needs nothing.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ import sys
 
 log = logging.getLogger(__name__)
 
-# OpenBLAS picks its kernels from CPUID at load time. Debian's 0.3.21 falls back to the
-# generic "Prescott" kernels on some virtualized AVX-512 CPUs (measured here on a 2-core
-# Sapphire Rapids VM: 30 GFLOP/s instead of 177 for MLX's f32 GEMM), so name the core from
-# /proc/cpuinfo flags, best first. An OPENBLAS_CORETYPE already set is always kept.
+# OpenBLAS picks its kernels from CPUID at load time. Debian's 0.3.21 falls back to the slow
+# generic "Prescott" kernels on some virtualized AVX-512 CPUs (docs/benchmarks.md), so name
+# the core from /proc/cpuinfo flags, best first. An OPENBLAS_CORETYPE already set is kept.
 CORETYPES = (
     ("Cooperlake", {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx512_bf16"}),
     ("SkylakeX", {"avx512f", "avx512vl", "avx512bw", "avx512dq"}),

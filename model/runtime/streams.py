@@ -1,12 +1,9 @@
 """Run an op on slices of its input on several CPU streams at once.
 
-MLX's CPU backend runs each stream's non-BLAS ops (exp, tanh, softmax, masks) on that
-stream's one thread, so on a CPU device a softmax or a GELU uses one core however many the
-machine has; only the BLAS matmuls are multithreaded. Those elementwise ops are most of a
-Gemma 3 chunk on the CPU (`python -m bench.profile`: attention 56%, GELU 19% of a
-2,048-token chunk at position 2,048). Splitting them over one stream per core runs the
-slices in parallel and leaves every value unchanged: each slice is computed exactly as in
-the whole op. On a GPU (one stream, already parallel) `split_map` just calls the function.
+MLX's CPU backend runs a stream's non-BLAS ops (exp, tanh, softmax) on that stream's one
+thread, and they are most of a Gemma 3 chunk on the CPU (docs/benchmarks.md); slices on one
+stream per core run in parallel, each computed exactly as in the whole op. On a GPU (one
+stream, already parallel) `split_map` just calls the function.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Text <-> token ids from a GGUF's tokenizer metadata, matching llama.cpp's tokenization.
 
-Two ``tokenizer.ggml.model`` values are supported, one module each:
-
-- ``"llama"`` (`model.tokenizer.spm`): SentencePiece-style BPE with scores and byte fallback,
-  as in Gemma 3, Llama 2 and Mistral.
-- ``"gpt2"`` (`model.tokenizer.bpe`): byte-level BPE with ``tokenizer.ggml.merges``, as in
-  DeepSeek V3/V4, Llama 3, Qwen 2 and SmolLM2.
-
-Both build a `tokenizers` object that `Tokenizer` wraps. llama.cpp's tokenizers are in its
-``src/llama-vocab.cpp``. Chat messages are rendered with the GGUF's chat template
-(`model.tokenizer.chat`) and tokenized like a prompt.
+``tokenizer.ggml.model`` ``"llama"`` (`model.tokenizer.spm`, SentencePiece-style BPE) or
+``"gpt2"`` (`model.tokenizer.bpe`, byte-level BPE), each as llama.cpp's
+``src/llama-vocab.cpp``; chat messages render through `model.tokenizer.chat`.
 """
 
 from __future__ import annotations

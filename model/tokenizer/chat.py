@@ -1,18 +1,8 @@
 """Chat messages -> prompt text with a model's Jinja chat template, as transformers renders it.
 
-transformers' ``apply_chat_template`` (``src/transformers/utils/chat_template_utils.py``,
-``_compile_jinja_template``) compiles the template in jinja2's
-``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
-``loopcontrols`` extension, a ``raise_exception(message)`` global, a ``strftime_now(format)``
-global and its own ``tojson`` filter (``json.dumps`` without HTML escaping), and renders it
-with ``messages``, ``add_generation_prompt`` and the vocabulary's special-token strings
-(``bos_token``, ``eos_token``). This module does the same; what a template raises while it
-renders, its own ``raise_exception`` and the sandbox's refusals included, becomes a
-`ChatTemplateError` carrying the template's message.
-
-A GGUF stores its template under ``tokenizer.chat_template``. The Gemma 3 270M GGUF this
-project ships carries none, so the registry gives that built-in model `builtin_template`
-``"gemma3"`` (``templates/gemma3.jinja``: the Gemma 3 turn format).
+As transformers' ``apply_chat_template`` (``src/transformers/utils/chat_template_utils.py``,
+``_compile_jinja_template``): a sandboxed jinja2 environment with its globals and ``tojson``
+(`_environment`); what a template raises while it renders becomes a `ChatTemplateError`.
 """
 
 from __future__ import annotations
@@ -77,7 +67,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def builtin_template(name: str) -> str:
-    """The text of ``templates/<name>.jinja``.
+    """The text of ``templates/<name>.jinja``, for a GGUF without
+    ``tokenizer.chat_template``: the Gemma 3 270M GGUF this project ships carries none, so
+    the registry gives it ``"gemma3"`` (the Gemma 3 turn format).
 
     Raises:
         ChatTemplateMissing: there is no such built-in template.

@@ -2,15 +2,7 @@
 
 Written from the equations of the DeepSeek-V4 reference `inference/model.py` + `kernel.py`
 ("REF", shipped in deepseek-ai's DeepSeek-V4 Hugging Face repositories), not from the MLX
-model, so the two can check each other. Every dimension comes from the GGUF metadata
-(`deepseek4.*`), so the same code runs on the tiny synthetic model and on a real Flash GGUF
-(slowly: it is O(n^2) per layer).
-
-Deliberate omissions, none of which changes the math being checked:
-* REF's QAT simulation (FP8/FP4 quant->dequant of activations and cached rows).
-* The indexer's Hadamard rotation: it is orthogonal and applied to both q_I and K_I, so
-  q_I . K_I is unchanged (REF `Indexer`).
-* The MTP block (not part of plain prefill logits).
+model, so the two can check each other; `reference_logits` lists what it leaves out.
 """
 
 from __future__ import annotations
@@ -399,6 +391,12 @@ def head_logits(gguf: GGUFFile, h: np.ndarray) -> np.ndarray:
 
 def reference_logits(gguf: GGUFFile, token_ids: list[int], trace: dict | None = None):
     """Final-position logits of the prompt `token_ids`, computed in one float64 pass.
+
+    Every dimension comes from the GGUF metadata (``deepseek4.*``), so this runs on the tiny
+    synthetic model and on a real Flash GGUF (slowly: O(n^2) per layer). Left out, none of
+    which changes the math being checked: REF's QAT simulation (FP8/FP4 quant->dequant of
+    activations and cached rows); the indexer's Hadamard rotation (orthogonal and applied to
+    both q_I and K_I, so q_I . K_I is unchanged; REF `Indexer`); the MTP block.
 
     Args:
         gguf: an opened `deepseek4` GGUF (tiny synthetic or real).

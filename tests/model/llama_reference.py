@@ -1,20 +1,9 @@
 """Independent float64 NumPy reference of the Llama family's forward pass (``llama``,
-``qwen2``, ``qwen3`` GGUFs), the whole prompt in one pass.
+``qwen2``, ``qwen3`` GGUFs), the whole prompt in one pass (`forward`).
 
 Written from the equations of llama.cpp's graphs (``src/models/llama.cpp``, ``qwen2.cpp``,
 ``qwen3.cpp``) and ggml's RoPE (``ggml_rope_ext``), not from the MLX model, so the two check
-each other. Every dimension and option comes from the GGUF's metadata and tensors:
-
-* x = token_embd[ids]; per block: x += attn(rms(x) * attn_norm); x += ffn(rms(x) * ffn_norm);
-  logits = (rms(x) * output_norm) @ output^T (``output.weight``, or ``token_embd`` if absent).
-* attn: q = x Wq^T (+ bq), k, v likewise, split into heads; q/k RMS-normed per head when
-  ``attn_q_norm`` exists (before RoPE); RoPE on q and k; softmax(q k^T / sqrt(d) + mask) v,
-  query head h reading KV head ``h // (n_heads / n_kv_heads)``; out = o Wo^T (+ bo).
-* RoPE, pair i of d/2 at position p: angle = p * s * base^(-2i/d) / f_i, with s = 1 / the
-  linear ``rope.scaling.factor`` (1 without) and f = ``rope_freqs`` (1 without). The pair is
-  (x[2i], x[2i+1]) for ``llama`` (NORM) and (x[i], x[i + d/2]) for ``qwen2``/``qwen3`` (NEOX).
-* mask: causal; on sliding layers also p - j < window.
-* ffn: down(silu(gate(x)) * up(x)) (+ biases where present).
+each other.
 """
 
 from __future__ import annotations
@@ -140,7 +129,22 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def forward(gguf: GGUFFile, ids: list[int], every_position: bool = False) -> np.ndarray:
-    """Logits float64: of the last position ``(vocab,)``, or of every one ``(n, vocab)``."""
+    """Logits float64: of the last position ``(vocab,)``, or of every one ``(n, vocab)``.
+
+    Every dimension and option comes from the GGUF's metadata and tensors:
+
+    * x = token_embd[ids]; per block: x += attn(rms(x) * attn_norm); x += ffn(rms(x) *
+      ffn_norm); logits = (rms(x) * output_norm) @ output^T (``output.weight``, or
+      ``token_embd`` if absent).
+    * attn: q = x Wq^T (+ bq), k, v likewise, split into heads; q/k RMS-normed per head when
+      ``attn_q_norm`` exists (before RoPE); RoPE on q and k; softmax(q k^T / sqrt(d) + mask)
+      v, query head h reading KV head ``h // (n_heads / n_kv_heads)``; out = o Wo^T (+ bo).
+    * RoPE, pair i of d/2 at position p: angle = p * s * base^(-2i/d) / f_i, with s = 1 / the
+      linear ``rope.scaling.factor`` (1 without) and f = ``rope_freqs`` (1 without); pairs
+      (x[2i], x[2i+1]) for ``llama`` (NORM), (x[i], x[i + d/2]) for ``qwen2``/``qwen3`` (NEOX).
+    * mask: causal; on sliding layers also p - j < window.
+    * ffn: down(silu(gate(x)) * up(x)) (+ biases where present).
+    """
     cfg, w = load_config(gguf), _Weights(gguf)
     angles = rope_angles(cfg, w("rope_freqs.weight", optional=True), len(ids))
     x = w("token_embd.weight")[np.asarray(ids)]

@@ -1,13 +1,7 @@
-"""The Llama family (`model.archs.llama`) on its tiny GGUFs, float32 on CPU: each variant
+"""The Llama family (`model.archs.llama`) on its tiny GGUFs (`variants`), float32 on CPU: each
 against the float64 reference (`tests.model.llama_reference`), chunked prefill equal to one
 pass, exact cache snapshots and states, a session turn equal to a cold prefill, the
 registry's names.
-
-Variants: the registered ``llama-tiny`` (Llama 3 RoPE scaling, separate head), ``qwen2-tiny``
-(q/k/v biases), ``qwen3-tiny`` (q/k norms, head dim 128, tied head), and two written here:
-``window`` (a 16-token window on three of four layers, attention output and MLP biases, MHA)
-and ``linear`` (Qwen 2 with linear RoPE scaling, factor 4). The 333-token prompts wrap the
-window's rings many times; chunks of 7 and 64 start inside a window and cross it.
 """
 
 from __future__ import annotations
@@ -50,7 +44,15 @@ VARIANTS = [*TINY_LLAMAS, "window", "linear"]
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    """name -> (LoadedModel, its GGUFFile): registered ones by name, the others by path."""
+    """name -> (LoadedModel, its GGUFFile): registered ones by name, the others by path.
+
+    The registered ``llama-tiny`` (Llama 3 RoPE scaling, separate head), ``qwen2-tiny``
+    (q/k/v biases), ``qwen3-tiny`` (q/k norms, head dim 128, tied head), and two written
+    here: ``window`` (a 16-token window on three of four layers, attention output and MLP
+    biases, MHA) and ``linear`` (Qwen 2 with linear RoPE scaling, factor 4). The 333-token
+    prompts wrap the window's rings many times; chunks of 7 and 64 start inside a window and
+    cross it.
+    """
     out = {}
     for name in TINY_LLAMAS:
         loaded = load_model(name)

@@ -185,7 +185,8 @@ def test_user_defined_html_tag(tok, token_id):
 def test_user_defined_end_marker_is_a_control_token_as_in_llamacpp(tok, token_id, metadata):
     # "</s>" is user-defined in this GGUF, but llama.cpp makes it a control token by its text
     # (model.tokenizer.vocab.llama_cpp_types). llama.cpp's ids for "a</s>b", from its
-    # llama-tokenize (commit 0c1e570, vendored in llama-cpp-python 0.3.36) on this file:
+    # llama-tokenize (the llama.cpp vendored in llama-cpp-python 0.3.36; its commit is in
+    # tests/data/spm-vocab-llamacpp.json) on this file:
     assert metadata["tokenizer.ggml.token_type"][token_id("</s>")] == 4
     assert tok.encode("a</s>b") == [2, 236746, 212, 236763]
     assert tok.encode("a</s>b", parse_special=False) == [2, 236746, 954, 236751, 236813, 236763]

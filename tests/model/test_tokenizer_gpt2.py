@@ -1,15 +1,8 @@
 """model.tokenizer's "gpt2" (byte-level BPE) path against llama.cpp's token ids.
 
-No DeepSeek GGUF is at hand, so `build_vocab_gguf` writes a vocab-only GGUF in DeepSeek's
-format: ``tokenizer.ggml.model = "gpt2"``, ``tokenizer.ggml.pre = "deepseek-v3"``, the 256
-GPT-2 byte tokens plus merges learned by `tokenizers`' BpeTrainer on `CORPUS` (split with
-DeepSeek V3's pre-tokenizer regexes), DeepSeek's control tokens and a few user-defined ones.
-tests/data/gpt2-vocab-deepseek3.gguf is that file; tests/data/gpt2-vocab-llamacpp.json holds
-the ids llama.cpp's ``llama-tokenize`` gave for it (commit and command recorded there). These
-tests need no llama.cpp: they compare our ids with the recorded ones.
-
-Regenerating the fixture (needs a built ``llama-tokenize``):
-``python -m tests.model.test_tokenizer_gpt2 /path/to/llama-tokenize "<llama.cpp commit, build>"``.
+tests/data/gpt2-vocab-deepseek3.gguf (`build_vocab_gguf`) is a vocab-only GGUF in DeepSeek's
+format; tests/data/gpt2-vocab-llamacpp.json holds the ids llama.cpp's ``llama-tokenize`` gave
+for it, so these tests need no llama.cpp (`regenerate` rewrites both).
 """
 
 from __future__ import annotations
@@ -130,7 +123,10 @@ def vocab_arrays() -> tuple[list[str], list[int], list[str]]:
 
 
 def build_vocab_gguf(path: Path, pre: str = "deepseek-v3") -> None:
-    """Writes the vocab-only DeepSeek-style GGUF (same bytes every time), with `pre`."""
+    """Writes the vocab-only DeepSeek-style GGUF (same bytes every time), with `pre`: no
+    DeepSeek GGUF is at hand, so ``tokenizer.ggml.model = "gpt2"``, the 256 GPT-2 byte
+    tokens plus merges learned by `tokenizers`' BpeTrainer on `CORPUS` (split with DeepSeek
+    V3's pre-tokenizer regexes), DeepSeek's control tokens and a few user-defined ones."""
     from gguf import GGUFWriter
 
     tokens, types, merges = vocab_arrays()
@@ -201,7 +197,8 @@ COMMAND = (
 
 
 def regenerate(binary: str, source: str) -> None:
-    """Rewrites the GGUF and JSON fixtures from ``llama-tokenize`` at `binary`.
+    """Rewrites the GGUF and JSON fixtures from ``llama-tokenize`` at `binary`:
+    ``python -m tests.model.test_tokenizer_gpt2 /path/to/llama-tokenize "<commit, build>"``.
 
     Args:
         binary: path of a built ``llama-tokenize``.

@@ -1,22 +1,9 @@
 """model.tokenizer's "llama" (SentencePiece) path on a Llama-2/Mistral-style vocabulary,
 against llama.cpp's token ids.
 
-Gemma 3's GGUF turns llama.cpp's space prefix off (``tokenizer.ggml.add_space_prefix =
-false``); Llama 2 and Mistral vocabularies leave it on, the default when the key is absent:
-llama.cpp (``llama_vocab::impl::tokenize``, ``LLAMA_VOCAB_TYPE_SPM``) prepends a space to every
-text fragment (the start, and text after a control or user-defined token), then spells spaces
-``▁`` and merges by score, spelling what no token covers in ``<0xXX>`` byte tokens.
-
-`build_vocab_gguf` writes a vocab-only GGUF in Llama 2's layout: ``<unk>``, ``<s>``,
-``</s>``, the 256 byte tokens, pieces learned by `tokenizers`' BpeTrainer on the corpus of
-tests/model/test_tokenizer_gpt2.py (scored by merge order, as SentencePiece's BPE scores them),
-Mistral's ``[INST]``/``[/INST]`` control tokens, one user-defined token and three that
-llama.cpp re-types as control tokens.
-tests/data/spm-vocab-llama2.gguf is that file; tests/data/spm-vocab-llamacpp.json holds the
-ids llama.cpp's ``llama-tokenize`` gave for it, with the key absent, ``true`` and ``false``.
-
-Regenerating the fixture (needs a built ``llama-tokenize``):
-``python -m tests.model.test_tokenizer_spm /path/to/llama-tokenize "<llama.cpp commit, build>"``.
+tests/data/spm-vocab-llama2.gguf (`build_vocab_gguf`) is a vocab-only GGUF in Llama 2's
+layout; tests/data/spm-vocab-llamacpp.json holds the ids llama.cpp's ``llama-tokenize`` gave
+for it, with ``add_space_prefix`` absent, ``true`` and ``false`` (`regenerate` rewrites both).
 """
 
 from __future__ import annotations
@@ -117,7 +104,11 @@ def vocab_arrays() -> tuple[list[str], list[float], list[int]]:
 
 
 def build_vocab_gguf(path: Path, space_prefix: bool | None = None) -> None:
-    """Writes the vocab-only Llama-2-style GGUF (same bytes every time)."""
+    """Writes the vocab-only Llama-2-style GGUF (same bytes every time): ``<unk>``,
+    ``<s>``, ``</s>``, the 256 byte tokens, pieces learned by `tokenizers`' BpeTrainer on
+    the corpus of tests/model/test_tokenizer_gpt2.py (scored by merge order, as
+    SentencePiece's BPE scores them), Mistral's ``[INST]``/``[/INST]`` control tokens, one
+    user-defined token and three that llama.cpp re-types as control tokens."""
     from gguf import GGUFWriter
 
     from model.gguf.synthetic.common import finish
@@ -141,7 +132,8 @@ def build_vocab_gguf(path: Path, space_prefix: bool | None = None) -> None:
 
 
 def regenerate(binary: str, source: str) -> None:
-    """Rewrites the GGUF and JSON fixtures from ``llama-tokenize`` at `binary`.
+    """Rewrites the GGUF and JSON fixtures from ``llama-tokenize`` at `binary`:
+    ``python -m tests.model.test_tokenizer_spm /path/to/llama-tokenize "<commit, build>"``.
 
     Args:
         binary: path of a built ``llama-tokenize``.
@@ -219,6 +211,12 @@ def test_encode_matches_llamacpp(tok_for, case):
 
 
 def test_the_space_prefix_is_on_by_default_and_after_special_tokens(tok_for, metadata):
+    """Gemma 3's GGUF turns llama.cpp's space prefix off (``tokenizer.ggml.add_space_prefix =
+    false``); Llama 2 and Mistral vocabularies leave it on, the default when the key is absent:
+    llama.cpp (``llama_vocab::impl::tokenize``, ``LLAMA_VOCAB_TYPE_SPM``) prepends a space to
+    every text fragment (the start, and text after a control or user-defined token), then
+    spells spaces ``▁`` and merges by score, spelling what no token covers in byte tokens.
+    """
     ids = {t: i for i, t in enumerate(metadata["tokenizer.ggml.tokens"])}
     on, off = tok_for(None), tok_for(False)
     assert on.encode("Hello", add_bos=False) == tok_for(True).encode("Hello", add_bos=False)

@@ -1,14 +1,7 @@
 """DeepSeek-V4 KV cache: circular window, compressed rows, indexer rows, compressor state.
 
-Buffers as `model.archs.deepseek4.planning` lays them out. The window ring's row of position
-``p`` sits at slot ``p % rows`` (overwritten: snapshots copy it); compressed and indexer rows
-are append-only (a restored position hides later rows). Slots ``[0, r)`` of an overlapping
-compressor's state hold the previous complete window, the remainder tokens of the current
-window sit at slot ``off + t % r`` (``off = r`` if overlapping else 0), as in the DeepSeek-V4
-reference ``inference/model.py`` ``Compressor`` decode state.
-
-The committed ``position`` is the prefill cursor; a forward pass writes past it and
-``commit`` advances it only after the chunk was evaluated (`model.cache.CommittedCache`).
+Buffers as `model.archs.deepseek4.planning` lays them out; the committed ``position`` is the
+prefill cursor and advances only after a chunk was evaluated (`model.cache.CommittedCache`).
 """
 
 from __future__ import annotations
@@ -66,7 +59,14 @@ class MigrationSnapshotPosition(Deepseek4CacheError):
 
 class LayerCache:
     """One layer's buffers (attributes named after the plan's buffer kinds, None if absent);
-    ``window`` is the data of ``ring``, a `model.cache.RingBuffer` over axis 0."""
+    ``window`` is the data of ``ring``, a `model.cache.RingBuffer` over axis 0.
+
+    The ring's row of position ``p`` sits at slot ``p % rows`` (overwritten: snapshots copy
+    it); compressed and indexer rows are append-only (a restored position hides later rows).
+    Slots ``[0, r)`` of an overlapping compressor's state hold the previous complete window,
+    the current window's remainder tokens sit at slot ``off + t % r`` (``off = r`` if
+    overlapping else 0), as in the DeepSeek-V4 reference ``inference/model.py``
+    ``Compressor`` decode state."""
 
     def __init__(self, layer_plan: LayerCachePlan):
         self.plan = layer_plan

@@ -61,10 +61,8 @@ def angle_table(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[mx.array, 
     its compressed rows' ``g * ratio``) are sliced from a device table of positions
     ``0 .. 2^k - 1`` (at least 4,096) built once per `inv_freq` (`_device_table`); others
     are computed for the call (`host_angles`). Arrays made from host data in every layer
-    of every chunk cost the GPU prefill dearly: building one 2,048-token
-    chunk's graph of DeepSeek-V4-Flash's first 4 layers took 32-54 ms on the H200's host
-    with them (about 11 a layer) and 3-5 ms without, and the prefill with them runs at
-    0.68-0.76x (`bench.gpu_deepseek4.ablate`, ``host_angle_tables``; docs/benchmarks.md)."""
+    of every chunk cost the GPU prefill dearly (docs/benchmarks.md, "RoPE angles from a
+    device table")."""
     inv_freq = np.asarray(inv_freq, dtype=np.float64)
     L = positions.shape[0]
     affine = L > 0 and positions.dtype.kind in "iu"

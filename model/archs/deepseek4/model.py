@@ -1,18 +1,8 @@
 """DeepSeek-V4 (Flash) in MLX, loaded from a llama.cpp ``deepseek4`` GGUF.
 
 Equations: the DeepSeek-V4 paper and its reference ``inference/model.py`` (shipped in
-deepseek-ai's DeepSeek-V4 Hugging Face repositories): mHC residual streams (4 copies mixed
-by Sinkhorn-normalised matrices), q-LoRA, one shared KV head (K = V) with a circular window,
-per-layer compress ratio 0/4/128 with gated-pooling compressors (`compressor`; ratio 4
-overlapping) and a lightning indexer on ratio-4 layers (`indexer`), an attention sink,
-inverse RoPE on the output, a grouped low-rank output projection and an MoE (`moe`) with
-sqrt-softplus scoring whose first layers route by token id.
-
-The reference only prefills from position 0; here every chunk starts at ``cache.position``
-and carries across chunks what the equations need: the previous ``W - 1`` window rows, the
-compressor's remainder tokens and (ratio 4) the previous complete window, so chunked
-prefill equals one pass at any chunk boundary. Modules are named after GGUF tensors.
-Batch size 1 (one job per cache).
+deepseek-ai's DeepSeek-V4 Hugging Face repositories); docs/models.md lists the parts.
+Modules are named after GGUF tensors.
 """
 
 from __future__ import annotations
@@ -321,7 +311,13 @@ class Block(nn.Module):
 
 class Model(nn.Module):
     """DeepSeek-V4. ``model(inputs, cache)`` runs one chunk and returns the final-normed
-    hidden of its last position; ``model.logits(hidden)`` applies the (untied) head."""
+    hidden of its last position; ``model.logits(hidden)`` applies the (untied) head.
+
+    The reference only prefills from position 0; here every chunk starts at
+    ``cache.position`` and the cache carries what the equations need across chunks (the
+    previous ``W - 1`` window rows, the compressor's remainder tokens and, at ratio 4, the
+    previous complete window), so chunked prefill equals one pass at any chunk boundary.
+    Batch size 1 (one job per cache)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

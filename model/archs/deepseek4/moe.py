@@ -155,11 +155,10 @@ class MoE(nn.Module):
 
 
 # Where `MoE._padded` gives way to gather_mm, placed by `bench.gpu_deepseek4.experts_sweep`
-# on the H200 at DeepSeek-V4-Flash's shapes (256 experts, top-6; bench/results/
-# gpu-h200-2026-12-01-experts-sweep{,-small}.jsonl): all 18 measured cases pick the faster.
-MIN_PAIRS = 64  # below ~11 tokens gather_mm touches a few experts: 0.9 vs 4.2 ms at 1 token
-FREE_CAP = 48  # 4.0-4.3 ms up to 16 rows an expert (weights' streaming), 5.1 ms at 48
-PAD_LIMIT = 12.0  # padded rows per real pair past that; the crossover measured ~15 at 2,048
+# at DeepSeek-V4-Flash's shapes (docs/benchmarks.md, "DeepSeek-V4's experts and RoPE angles").
+MIN_PAIRS = 64  # below ~11 tokens gather_mm touches only a few experts and is faster
+FREE_CAP = 48  # up to this many rows an expert the padded matmuls cost their weights' streaming
+PAD_LIMIT = 12.0  # padded rows per real pair past which gather_mm is faster
 
 
 def busiest_rows(counts: np.ndarray) -> int:

@@ -1,15 +1,7 @@
 """DeepSeek-V4 cache plan: every buffer's shape and bytes for a context (pure arithmetic).
 
-Per layer with compress ratio ``r`` (DeepSeek-V4 reference ``inference/model.py``,
-``Attention`` and ``Compressor``; buffers as in hf2q's ``Deepseek4Cache``,
-github.com/robertelee78/hf2q ``src/inference/models/deepseek4``):
-
-- ``window``: ring of the last ``min(context, W)`` KV rows ``(rows, head_dim)``;
-- ``compressed`` (r > 0): ``(context // r, head_dim)``, row ``j`` pools tokens
-  ``[j*r, (j+1)*r)``;
-- ``indexer`` (r == 4): ``(context // 4, index_head_dim)`` lightning-indexer keys;
-- ``main_kv_state``/``main_score_state`` (and ``indexer_*`` for r == 4): float32
-  ``(coff*r, coff*d)`` compressor state, ``coff = 2`` iff r == 4.
+Sources: the DeepSeek-V4 reference ``inference/model.py`` (``Attention``, ``Compressor``) and
+hf2q's ``Deepseek4Cache`` (github.com/robertelee78/hf2q ``src/inference/models/deepseek4``).
 """
 
 from __future__ import annotations
@@ -69,6 +61,16 @@ class BufferPlan:
 
 @dataclass(frozen=True)
 class LayerCachePlan:
+    """One layer's buffers, for compress ratio ``r``:
+
+    - ``window``: ring of the last ``min(context, W)`` KV rows ``(rows, head_dim)``;
+    - ``compressed`` (r > 0): ``(context // r, head_dim)``, row ``j`` pools tokens
+      ``[j*r, (j+1)*r)``;
+    - ``indexer`` (r == 4): ``(context // 4, index_head_dim)`` lightning-indexer keys;
+    - ``main_kv_state``/``main_score_state`` (and ``indexer_*`` for r == 4): float32
+      ``(coff*r, coff*d)`` compressor state, ``coff = 2`` iff r == 4.
+    """
+
     layer: int
     compress_ratio: int
     buffers: tuple[BufferPlan, ...]

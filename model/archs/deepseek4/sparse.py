@@ -1,14 +1,8 @@
 """DeepSeek-V4 attention as per-query key lists (the reference's ``sparse_attn``).
 
-The reference ``inference/model.py`` gives every query an index list into the keys it
-attends: its sliding window, then the compressed rows it may see (on ratio-4 layers, only
-the lightning indexer's top-k of them), and ``inference/kernel.py`` ``sparse_attn``
-gathers those rows. Here the keys are `Attention._keys`' rows (the ``n_prev`` window rows
-before the chunk, the chunk's ``L``, then ``n_rows`` compressed rows), and `key_slots`
-builds each query's list into them. `gathered_attention` is that attention in MLX ops
-(the reference for the fused CUDA kernel, `model.kernels.sparse_attention`, and the path on
-other devices for top-k layers); on a ratio-4 layer it touches top-k rows per query instead
-of every compressed row under a mask, which is what keeps a 1M-token context affordable.
+`window_slots` and `compressed_slots` build each query's list into `Attention._keys`' rows;
+`gathered_attention` attends them in MLX ops (the reference for the CUDA kernel,
+`model.kernels.sparse_attention`, and the path on other devices).
 """
 
 from __future__ import annotations
@@ -51,7 +45,8 @@ def gathered_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array
     ``softmax`` over the listed rows' scores ``scale * q . kv[row]`` plus the sink logit
     (the sink's share is dropped), then the weighted sum of the same rows (K = V):
     DeepSeek-V4 reference ``inference/model.py`` ``Attention`` and ``kernel.py``
-    ``sparse_attn``.
+    ``sparse_attn``. On a ratio-4 layer it touches the top-k rows per query instead of every
+    compressed row under a mask, which is what keeps a 1M-token context affordable.
 
     Args:
         q: ``(1, H, L, D)``.
