@@ -120,27 +120,46 @@ def script_of(blocks: list[Block], redis_port: int, port: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_blocks(blocks: list[Block], redis_port: int, port: int, cwd: Path,
-               timeout: float = 600) -> dict[Block, str]:
-    """Run `script_of(blocks)` in `cwd` (where ``.venv`` links to this interpreter's
-    environment); returns what each runnable block printed. Raises AssertionError with the
-    output if the script fails, and kills it and its children after `timeout` seconds."""
-    venv = cwd / ".venv"
-    if not venv.exists():
-        venv.symlink_to(Path(sys.executable).parent.parent)
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", "-c", script_of(blocks, redis_port, port)], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
+class Script:
+    """`script_of(blocks)` running in `cwd` (where ``.venv`` links to this interpreter's
+    environment) from construction on, in a process group of its own; `printed` waits for
+    it, so several can run at once."""
+
+    def __init__(self, blocks: list[Block], redis_port: int, port: int, cwd: Path):
+        venv = cwd / ".venv"
+        if not venv.exists():
+            venv.symlink_to(Path(sys.executable).parent.parent)
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        self.blocks = blocks
+        self.proc = subprocess.Popen(["bash", "-c", script_of(blocks, redis_port, port)],
+                                     cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._printed: dict[Block, str] | None = None
+
+    def printed(self, timeout: float = 600) -> dict[Block, str]:
+        """What each runnable block printed. Raises AssertionError with the output if the
+        script fails, and kills it and its children after `timeout` seconds."""
+        if self._printed is None:
+            try:
+                stdout, stderr = self.proc.communicate(timeout=timeout)
+            finally:
+                self.kill()
+            assert self.proc.returncode == 0, \
+                f"exit {self.proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+            self._printed = split_printed(self.blocks, stdout)
+        return self._printed
+
+    def kill(self) -> None:
+        """Kill the script and every background job its blocks started."""
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a block's background jobs, if bash died
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+
+
+def split_printed(blocks: list[Block], stdout: str) -> dict[Block, str]:
+    """`stdout` of `script_of(blocks)` cut at its markers: what each block printed."""
     printed, current = {}, []
     for line in stdout.splitlines():
         marker = re.fullmatch(r"--- block (\d+) done", line)

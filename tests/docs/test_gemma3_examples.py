@@ -11,20 +11,20 @@ import re
 
 import pytest
 
-from tests.docs.examples import ROOT, find, output_of, run_blocks, session_blocks
-from worker.redis_server import free_port
+from tests.docs.examples import ROOT, find, output_of
 
 pytestmark = pytest.mark.slow
+SESSION = "gemma3"
 STATES = {"queued", "prefilling", "finished", "failed", "canceled"}
 # float32 logits differ between runs and BLAS builds by ~1e-5; a shown value is rounded
 FLOAT_NOISE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(example_scripts):
     """The session's blocks and what each printed."""
-    blocks = session_blocks("gemma3")
-    return blocks, run_blocks(blocks, free_port(), free_port(), tmp_path_factory.mktemp("gemma3"))
+    script = example_scripts[SESSION]
+    return script.blocks, script.printed()
 
 
 def printed_by(session, page: str, starts: str) -> list[str]:

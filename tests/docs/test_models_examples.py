@@ -1,6 +1,6 @@
 """docs/models.md's SmolLM2 examples, run as written (`tests.docs.examples`) against a real
-redis-server, with the page's own ``prefillq worker`` and ``prefillq serve``: what each prints
-is what the page says it prints."""
+redis-server (`tests.docs.conftest`), with the page's own ``prefillq worker`` and ``prefillq
+serve``: what each prints is what the page says it prints."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import json
 
 import pytest
 
-from tests.docs.examples import find, output_of, run_blocks, session_blocks
-from worker.redis_server import RedisServer, free_port
+from tests.docs.examples import find, output_of
 
 pytestmark = pytest.mark.slow
+SESSION = "smollm2"
 PAGE = "docs/models.md"
 
 
-def test_the_smollm2_examples_print_what_the_page_says(tmp_path):
-    blocks = session_blocks("smollm2")
-    with RedisServer() as server:
-        printed = run_blocks(blocks, server.port, free_port(), tmp_path)
+def test_the_smollm2_examples_print_what_the_page_says(example_scripts):
+    script = example_scripts[SESSION]
+    blocks, printed = script.blocks, script.printed()
     ran = find(blocks, PAGE, "prefillq run --model smollm2-135m")
     first = next(ln for ln in printed[ran].splitlines() if ln.lstrip().startswith("1 "))
     assert first.endswith("' Paris'") and "logit   17.37" in first, printed[ran]
