@@ -37,7 +37,8 @@ SESSIONS = {
 NOT_RUN = {
     ("README.md", "make run    # creates .venv, installs, prefills a sample prompt on the "
                   "real Gemma 3 270M"):
-        "`make test` is the whole suite (~15 min); `make run` reinstalls into the venv",
+        "`make test` is the whole suite (~15 min); both pip-install into .venv when it is "
+        "missing or older than pyproject.toml",
     ("docs/benchmarks.md", "d=$(mktemp -d) && pip download --no-deps --only-binary=:all: "
                            "--python-version 3.12 \\"):
         "downloads wheels from PyPI for the lent GPU",
