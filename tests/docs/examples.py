@@ -1,6 +1,7 @@
 """Run the docs' examples as written: a page's fenced ``sh``, ``bash`` and ``python`` blocks
 in order, as one bash script against a real redis-server (the docs' ``redis://localhost:6379/0``
-and port 8000 point at the test's own server and a free port), with ``prefillq``, ``python``
+and port 8000 point at the test's own server and a free port; a block's ``redis-server &``
+starts that server), with ``prefillq``, ``python``
 and ``.venv/bin/prefillq`` from this interpreter's environment and ``PYTHONPATH`` set to
 this checkout, so a worktree runs its own code. A ``text`` or ``json`` block right after a
 block is what that block prints.
