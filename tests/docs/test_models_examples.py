@@ -1,6 +1,6 @@
 """docs/models.md's SmolLM2 examples, run as written (`tests.docs.examples`) against a real
-redis-server, a ``prefillq worker`` and a ``prefillq serve`` of their own: what each prints
-is what the page says it prints."""
+redis-server (`tests.docs.conftest`), with the page's own ``prefillq worker`` and ``prefillq
+serve``: what each prints is what the page says it prints."""
 
 from __future__ import annotations
 
@@ -8,20 +8,23 @@ import json
 
 import pytest
 
-from tests.docs.examples import run_blocks, section_blocks
-from worker.redis_server import RedisServer, free_port
+from tests.docs.examples import find, output_of
 
 pytestmark = pytest.mark.slow
-HEADING = "### The README's examples on SmolLM2"
+SESSION = "smollm2"
+PAGE = "docs/models.md"
 
 
-def test_the_smollm2_examples_print_what_the_page_says(tmp_path):
-    blocks = section_blocks("docs/models.md", HEADING)
-    assert [b.lang for b in blocks] == ["sh", "python", "text", "sh", "json"]
-    with RedisServer() as server:
-        printed = run_blocks(blocks, server.url, free_port(), tmp_path)
-    assert printed[1] == blocks[2].text.strip()
-    got, said = json.loads(printed[3]), json.loads(blocks[4].text)
+def test_the_smollm2_examples_print_what_the_page_says(example_scripts):
+    script = example_scripts[SESSION]
+    blocks, printed = script.blocks, script.printed()
+    ran = find(blocks, PAGE, "prefillq run --model smollm2-135m")
+    first = next(ln for ln in printed[ran].splitlines() if ln.lstrip().startswith("1 "))
+    assert first.endswith("' Paris'") and "logit   17.37" in first, printed[ran]
+    chat = find(blocks, PAGE, "from jobs import PrefillClient")
+    assert printed[chat] == output_of(blocks, chat).text.strip()
+    served = find(blocks, PAGE, "prefillq serve")
+    got, said = json.loads(printed[served]), json.loads(output_of(blocks, served).text)
     for name in ("object", "model", "usage"):
         assert got[name] == said[name], name
     (choice,), (said_choice,) = got["choices"], said["choices"]
