@@ -12,7 +12,7 @@ from pathlib import Path
 from jobs import JobState, PrefillClient, keys, protocol
 from jobs.queues import enqueue_new
 from model.registry import LoadedModel
-from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
+from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 from worker.redis_server import RedisServer
 
 from .common import Recorder, log, prompt_ids

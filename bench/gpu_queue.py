@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from model.prefill import start_prefill
 from model.registry import LoadedModel
-from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
+from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
 from .common import Recorder, git_commit, log, refuse_existing
 from .gpu import GEMMA3_270M, gemma3_model

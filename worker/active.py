@@ -12,7 +12,7 @@ from jobs.schema import LogitsMode
 from model.prefill import Prefill, top_k
 from model.registry import LoadedModel
 
-from .checkpointing import JobCheckpoints
+from .checkpoints.checkpointing import JobCheckpoints
 
 
 @dataclass

@@ -6,7 +6,7 @@ tokenizer. A job of a session starts from the session's slot when this worker ke
 slot's cache the prompt reuses and plans the rest with a chunk ending at the recovery
 position, where the slot's turn anchor is snapshotted. Every other job runs on its recorded
 chunk plan (or this worker's plan at its first start): from its latest usable KV checkpoint
-when it has one (`worker.checkpointing`), else cold.
+when it has one (`worker.checkpoints.checkpointing`), else cold.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from model.prefill import Prefill
 from model.registry import LoadedModel
 from model.tokenizer import TokenizerError
 
-from .checkpointing import Checkpointing, JobCheckpoints
+from .checkpoints.checkpointing import Checkpointing, JobCheckpoints
 from .sessions import SessionSlots
 
 log = logging.getLogger("prefillq.worker")
@@ -85,7 +85,7 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
     caps = [c for c in (chunk_tokens, record.chunk_tokens) if c is not None]
     cap = min(caps) if caps else None
     if record.session and sessions is not None and sessions.max_slots > 0:
-        return _session_prefill(loaded, record, ids, cap, sessions, checkpointing)
+        return _session_prefill(loaded, record, ids, cap, sessions)
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)
@@ -104,14 +104,11 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
 
 
 def _session_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
-                     chunk_tokens: int | None, sessions: SessionSlots,
-                     checkpointing: Checkpointing | None) -> Prepared:
+                     chunk_tokens: int | None, sessions: SessionSlots) -> Prepared:
     # A session job plans afresh at every start: where its cursor starts depends on what
     # this worker's slot reuses, so a recorded plan (made against another slot) is not used.
     # Without a slot here, the session's checkpointed slot (its last finished turn) is used.
-    slot = sessions.take(record.session, loaded.name)
-    if slot is None and checkpointing is not None:
-        slot = checkpointing.sessions.load(record.session, loaded)
+    slot = sessions.take_or_restore(record.session, loaded)
     try:
         prefill, slot = loaded.session_prefill(slot, ids, chunk_tokens=chunk_tokens)
     except Exception as e:  # the slot may be half applied: it is not kept

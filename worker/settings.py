@@ -13,7 +13,7 @@ from jobs.defaults import (
 )
 from jobs.limits import Limits
 
-from .checkpoint_policy import DEFAULT_CHECKPOINT_EVERY
+from .checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,8 @@
-"""The chunk step and its fenced transitions.
-
-A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
-(`Stepper.admit`): its record is decoded (`worker.intake.read_record`: one that does not
-decode fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, its ids
-validated (`worker.prepare`, `jobs.requests`) and planned, its cache allocated, and it is
-taken atomically (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan is
-recorded at its first start and reused by every later start); then its first chunk runs,
-and the next resident job's chunk is launched on the device (`Stepper.launch_next`) so
-RQ's bookkeeping overlaps it. Later chunks run in the steps the scheduler picks
-(`worker.scheduler`, `Stepper.run`). After every chunk one
-round trip (`worker.roundtrip`) records the cursor or publishes the logits (one fenced
-script; canceled wins), counts the chunk (`jobs.stats`), and reads the other jobs' cancel
-flags and whether intake holds a job.
-
-Every transition is fenced on (worker, attempt) by the scripts in `jobs/scripts.py`. A write
-Redis refuses (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``,
-or, when that write is refused too, is parked and retried (`worker.parked`) until it lands.
-"""
+"""`Stepper`: the chunk step of a worker's resident jobs and their fenced transitions."""
 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 import numpy as np
@@ -35,9 +16,10 @@ from jobs.scripts import Fence, Scripts, StartCounts
 from model.registry import LoadedModel
 
 from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
-from .checkpointing import Checkpointing, JobCheckpoints
+from .checkpoints.checkpointing import Checkpointing
 from .connection import refused_write
 from .faults import FaultPlan
+from .hooks import JobHooks
 from .intake import not_served, read_record
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
@@ -54,6 +36,23 @@ REDIS_OOM = "RedisOutOfMemory"
 
 class Stepper:
     """Runs chunks of the jobs resident on worker `name` and records their transitions.
+
+    A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
+    (`admit`): its record is decoded (`worker.intake.read_record`: one that does not decode
+    fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, validated and
+    planned (`worker.prepare`), its cache allocated, and it is taken atomically
+    (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan recorded at its first
+    start is reused by every later one); then its first chunk runs, and the next step's
+    chunk is launched on the device (`launch_next`) so RQ's bookkeeping overlaps it. Later
+    chunks run in the steps the scheduler picks (`worker.scheduler`, `run`). After every
+    chunk one round trip (`worker.roundtrip`) records the cursor or publishes the logits
+    (one fenced script; canceled wins), counts the chunk (`jobs.stats`), and reads the other
+    jobs' cancel flags and whether intake holds a job. KV checkpoints and session slots
+    follow each job through `worker.hooks.JobHooks`.
+
+    Every transition is fenced on (worker, attempt) (`jobs.scripts`). A write Redis refuses
+    (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``, or, when
+    that write is refused too, is parked and retried (`worker.parked`) until it lands.
 
     Args:
         connection: Redis connection (bytes replies).
@@ -73,6 +72,9 @@ class Stepper:
                  checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None):
         self.connection, self.name, self.models = connection, name, models
         self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
+        # what follows each job's life besides its chunks (`JobHooks`), told in this order
+        self.hooks: tuple[JobHooks, ...] = tuple(
+            h for h in (checkpointing, sessions) if h is not None)
         self.scheduler = scheduler
         self.chunk_tokens, self.limits = settings.chunk_tokens, settings.limits
         self.result_ttl_s, self.logits_ttl_s = settings.result_ttl_s, settings.logits_ttl_s
@@ -144,8 +146,9 @@ class Stepper:
                       queue_keys=self.scheduler.queue_keys(), chunk=(dt, n))
         reply = self.publish(active, probe) if p.done else self.record_progress(active, probe)
         self.scheduler.saw_intake(reply.intake_waiting)
-        if job_id in self.active and active.checkpoints is not None:
-            self.checkpointing.after_chunk(active)
+        if job_id in self.active:
+            for hook in self.hooks:
+                hook.chunk_done(active)
         for other in reply.canceled:  # released within one chunk time of the cancel
             if other in self.active:
                 self.advance_cancel(self.active[other])
@@ -225,24 +228,15 @@ class Stepper:
             started_at=started,
             session=record.session if prepared.slot is not None else None,
             slot=prepared.slot,
-            checkpoints=prepared.checkpoints or self._checkpoints_for(record, prepared),
+            checkpoints=prepared.checkpoints,
         )
         if self.faults is not None:
             self.faults.install(active)
         self.scheduler.add(active)
         self.connection.sadd(keys.worker_jobs(self.name), record.job_id)
-        if active.session is not None:  # before its publish: the next turn is routed here
-            self.sessions.claim(active.session)
+        for hook in self.hooks:
+            hook.started(active, record)
         return active
-
-    def _checkpoints_for(self, record: JobRecord, prepared: Prepared) -> JobCheckpoints | None:
-        # Not checkpointed mid-prefill: session jobs (their plan depends on the slot they
-        # start from) and prompt_logprobs jobs (a resume would lack the earlier positions).
-        if self.checkpointing is None or prepared.slot is not None:
-            return None
-        if record.prompt_logprobs is not None:
-            return None
-        return JobCheckpoints(key=record.checkpoint, since=time.monotonic())
 
     # -- transitions --------------------------------------------------------------------
 
@@ -282,11 +276,9 @@ class Stepper:
             self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
                               attempt=active.attempt)
         reply = run_script(self.connection, self.scripts, call, probe)
+        self.drop(active, ended=stats.terminal(reply.outcome))
         log.info("job %s %s: %d tokens in %d chunks, %.2f s",
                  active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
-        if reply.outcome == "finished" and active.slot is not None and self.checkpointing:
-            self.checkpointing.sessions.save(active.session, active.model, active.slot)
-        self.drop(active, ended=stats.terminal(reply.outcome))
         return reply
 
     def fail(self, job_id: str, fence: Fence, error_type: str, message: str) -> None:
@@ -294,10 +286,11 @@ class Stepper:
         outcome = self.scripts.run(scripts.fail(job_id, fence, now=now(),
                                                 ttl_s=self.result_ttl_s,
                                                 error_type=error_type, message=message))
+        ended = stats.terminal(outcome)
         active = self.scheduler.remove(job_id)
-        if active is not None and active.checkpoints is not None:
-            self.checkpointing.ended(job_id, active.checkpoints)
-        self._forget(job_id, ended=stats.terminal(outcome))
+        self._forget(job_id, ended=ended)
+        for hook in self.hooks if active is not None else ():
+            hook.leaving(active, ended)
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
     def chunk_failed(self, active: ActiveJob, error: Exception) -> None:
@@ -306,13 +299,13 @@ class Stepper:
         reach ``max_attempts``."""
         log.error("job %s: chunk failed at %d/%d", active.job_id, active.prefill.cursor,
                   active.prefill.n_tokens, exc_info=error)
+        for hook in self.hooks:  # the restart sees the checkpoint in flight
+            hook.handing_back(active, last=False)
         self.requeue(active, failure=("ModelError", f"{type(error).__name__}: {error}"))
 
     def requeue(self, active: ActiveJob, failure: tuple[str, str] | None = None) -> None:
         """Hand `active` back to intake (its cache dies here); `failure` counts toward
         ``max_attempts`` as ``(error type, message)``, a hand-back (None) does not."""
-        if active.checkpoints is not None:  # the restart sees the checkpoint in flight
-            self.checkpointing.flush()
         call = scripts.requeue(active.job_id, self._fence(active), now=now(),
                                ttl_s=self.result_ttl_s, failure=failure)
         with self.connection.pipeline() as pipe:
@@ -327,8 +320,8 @@ class Stepper:
         """Requeue every resident job to intake (warm shutdown). A hand-back Redis refuses
         is parked (`parked`); one that fails otherwise leaves the job in `active`."""
         for active in list(self.active.values()):
-            if active.checkpoints is not None:  # another worker continues from here
-                self.checkpointing.last(active)
+            for hook in self.hooks:  # another worker continues from here
+                hook.handing_back(active, last=True)
             try:
                 self.requeue(active)
             except Exception as error:
@@ -342,17 +335,19 @@ class Stepper:
 
     def drop(self, active: ActiveJob, *, deregister: bool = True,
              ended: JobState | None = None) -> None:
-        """Forget `active` here: a chunk launched for it is abandoned, and its cache released
-        or kept as its session's slot at its last committed chunk; room for the next job. A
-        job that `ended` (its script's terminal state) has its checkpoints deleted, counted."""
+        """Forget `active` here: a chunk launched for it is abandoned, room is made for the
+        next job, a job that `ended` (its script's terminal state) is counted, and then the
+        hooks see it leave (its cache released or kept as its session's slot at its last
+        committed chunk; an ended job's checkpoints deleted). The count comes first, so it is
+        in Redis within a round trip of the transition a client waits on."""
         active.prefill.abandon()
         self.scheduler.remove(active.job_id)
-        if ended and active.checkpoints is not None:
-            self.checkpointing.ended(active.job_id, active.checkpoints)
-        if active.slot is not None:
-            self.sessions.keep(active.session, active.model.name, active.slot)
-        if deregister or ended:
-            self._forget(active.job_id, deregister=deregister, ended=ended)
+        try:
+            if deregister or ended:
+                self._forget(active.job_id, deregister=deregister, ended=ended)
+        finally:
+            for hook in self.hooks:
+                hook.leaving(active, ended)
 
     def _forget(self, job_id: str, *, deregister: bool = True,
                 ended: JobState | None = None) -> None:

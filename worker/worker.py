@@ -1,17 +1,4 @@
-"""`PrefillWorker`: an RQ SimpleWorker that advances prefill jobs one bounded chunk at a time.
-
-The model and every admitted job's KV cache live in this process across RQ executions, so
-the worker runs jobs in its own process (RQ's `SimpleWorker`,
-https://python-rq.org/docs/workers/). This module holds the RQ hooks only: which queues are
-read (`worker.scheduler`), which RQ jobs may run (`jobs.queues.refusal`: only
-`jobs.queues.ADMIT_FUNCTION` with one job id, no callbacks or webhooks), start
-and shutdown. The chunk step and its transitions are in `worker.step`, liveness in
-`worker.heartbeat`, the Redis retry policy in `worker.connection`.
-
-A warm shutdown (SIGTERM or SIGINT, RQ's ``request_stop``) hands every resident job back to
-intake. When Redis stays unreachable for ``heartbeat_ttl_s`` after the signal, `work` raises
-`worker.connection.RedisUnreachable` instead (the reaper requeues what was not handed back).
-"""
+"""`PrefillWorker`: an RQ SimpleWorker that advances prefill jobs one bounded chunk at a time."""
 
 from __future__ import annotations
 
@@ -39,9 +26,9 @@ from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
 from .active import ActiveJob
-from .checkpoint_policy import CheckpointPolicy
-from .checkpointing import Checkpointing
-from .checkpoints import open_store
+from .checkpoints.checkpointing import Checkpointing
+from .checkpoints.policy import CheckpointPolicy
+from .checkpoints.store import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write, until_accepted
 from .faults import FaultPlan
 from .heartbeat import Heartbeat
@@ -97,6 +84,17 @@ def _unless_refused(what: str, call, *args, **kwargs) -> None:
 class PrefillWorker(SimpleWorker):
     """Serves the models in `models` from their intake queues.
 
+    The model and every admitted job's KV cache live in this process across RQ executions,
+    so jobs run in the worker's own process (RQ's `SimpleWorker`,
+    https://python-rq.org/docs/workers/). This class holds the RQ hooks: which queues are
+    read and when (`worker.scheduler`), which RQ jobs may run (`jobs.queues.refusal`: only
+    `jobs.queues.ADMIT_FUNCTION` with one job id, no callbacks or webhooks), start and
+    shutdown. The chunk step is `worker.step`, liveness `worker.heartbeat`, the Redis retry
+    policy `worker.connection`. A warm shutdown (SIGTERM or SIGINT, RQ's ``request_stop``)
+    hands every resident job back to intake; when Redis stays unreachable for
+    ``heartbeat_ttl_s`` after the signal, `work` raises `RedisUnreachable` instead (the
+    reaper requeues what was not handed back).
+
     Args:
         models: loaded models by registry name.
         connection: Redis connection (bytes responses); `worker.connection.worker_connection`
@@ -132,8 +130,6 @@ class PrefillWorker(SimpleWorker):
                                            max_active=settings.max_active,
                                            kv_budget_bytes=settings.kv_budget_bytes,
                                            refresh_s=self.heartbeat_ttl_s / 6)
-        self.sessions = SessionSlots(connection, name, max_slots=settings.session_slots,
-                                     max_bytes=settings.session_bytes)
         every, store = settings.checkpoint_every, settings.checkpoint_store
         policy = CheckpointPolicy.parse(every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else
@@ -142,6 +138,10 @@ class PrefillWorker(SimpleWorker):
         self.checkpointing = None if policy is None else Checkpointing(
             connection, name, open_store(store, connection), policy,
             ttl_s=settings.result_ttl_s, max_bytes=settings.checkpoint_max_bytes)
+        self.sessions = SessionSlots(
+            connection, name, max_slots=settings.session_slots,
+            max_bytes=settings.session_bytes,
+            checkpoints=self.checkpointing.sessions if self.checkpointing else None)
         self.stepper = Stepper(connection, name, models, self.prefill_scheduler, settings,
                                sessions=self.sessions, checkpointing=self.checkpointing,
                                faults=FaultPlan.from_env())

@@ -10,7 +10,8 @@ import numpy as np
 
 from jobs import keys
 from model.planner import ChunkPlan
-from worker.checkpoints import CheckpointRecord, CheckpointWriter
+from worker.checkpoints.record import CheckpointRecord
+from worker.checkpoints.writer import CheckpointWriter
 
 N_TOKENS = 300
 # Unaligned to the 16-token windows; 37 and 203 are mid-ring after it wrapped, 130 is

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from worker.checkpoints import latest_usable, open_store
+from worker.checkpoints.restore import latest_usable
+from worker.checkpoints.store import open_store
 
 from .checkpoint_helpers import loaded, plan, prompt
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from jobs import PrefillClient
-from worker.checkpoints import FileStore, RedisStore
+from worker.checkpoints.store import FileStore, RedisStore
 from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 

@@ -22,7 +22,7 @@ import redis
 
 from jobs import keys
 from tests.exactness import EXACT_RTOL, assert_contract
-from worker.checkpoints import FileStore, RedisStore
+from worker.checkpoints.store import FileStore, RedisStore
 
 from .checkpoint_helpers import (
     CHECKPOINT_AT,

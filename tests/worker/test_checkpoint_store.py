@@ -14,9 +14,8 @@ from jobs import keys, scripts
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from jobs.scripts import Fence, Scripts
-from worker.checkpoints import FileStore, RedisStore, open_store
 from worker.checkpoints.record import BlobRef, CheckpointRecord, RecordError
-from worker.checkpoints.store import STALE_TEMP_S
+from worker.checkpoints.store import STALE_TEMP_S, FileStore, RedisStore, open_store
 
 KEY = keys.checkpoint("j/../x", 3, "segment")  # a job id with a slash stays inside the root
 

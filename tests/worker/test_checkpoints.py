@@ -18,14 +18,9 @@ import pytest
 
 from jobs import keys
 from model.planner import ChunkPlan
-from worker.checkpoints import (
-    CheckpointUnusable,
-    CheckpointWriter,
-    FileStore,
-    delete_all,
-    latest_usable,
-    load,
-)
+from worker.checkpoints.restore import CheckpointUnusable, delete_all, latest_usable, load
+from worker.checkpoints.store import FileStore
+from worker.checkpoints.writer import CheckpointWriter
 
 from .checkpoint_helpers import (
     JOB,
@@ -89,7 +84,7 @@ def test_a_corrupted_first_checkpoint_or_shared_segment_leaves_cursor_0(store):
 
 
 def reencode(store, key: str, **changes) -> None:
-    from worker.checkpoints import CheckpointRecord
+    from worker.checkpoints.record import CheckpointRecord
 
     record = CheckpointRecord.from_bytes(store.get(key))
     store.put(key, dataclasses.replace(record, **changes).to_bytes(), 600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
+from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from worker.cli import build_parser
 
 
@@ -52,7 +52,7 @@ def test_checkpoint_stores_by_url(url):
 
 
 def test_a_directory_store_that_cannot_be_made_is_a_clear_error():
-    from worker.checkpoints import open_store
+    from worker.checkpoints.store import open_store
 
     with pytest.raises(ValueError, match="checkpoint store 'file:///proc/nope'"):
         open_store("file:///proc/nope", None)

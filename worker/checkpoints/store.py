@@ -19,7 +19,7 @@ import redis
 
 from jobs.client import redacted
 
-from ..checkpoint_policy import check_store_url
+from .policy import check_store_url
 
 # File store header: magic, then the expiry as float64 UTC epoch seconds (big-endian).
 _MAGIC = b"PQCKPT1\n"

@@ -19,7 +19,7 @@ from jobs.defaults import (
 )
 from jobs.limits import Limits
 
-from ..checkpoint_policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
+from ..checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
 from .loading import load_models
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"

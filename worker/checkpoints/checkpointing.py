@@ -1,26 +1,10 @@
-"""A worker's KV checkpoints: when to write them, the job-hash switch, resume and clean-up.
-
-Between chunks, a resident job whose last checkpoint is at least ``--checkpoint-every``
-old (in chunks or seconds) gets a new one: `CheckpointWriter` copies the rows since the last
-one out on the chunk loop's thread and writes them on its own, with at most one checkpoint in
-flight, so the next chunk computes meanwhile. Once every blob is in the store the job hash
-points at the new record (`jobs.scripts.checkpoint_switch`, under the job's fence). A job
-that restarts (lost worker, SIGTERM hand-back, failed chunk) resumes on any worker from its
-latest usable checkpoint (`worker.checkpoints.latest_usable`: a corrupt, expired or
-mismatched one falls back one checkpoint, else to cursor 0), on the same chunk boundaries.
-A job that ends (finished, failed, canceled) has its blobs deleted.
-
-A writer that was fenced (its worker declared dead while it still ran) can overwrite blobs
-of the same checkpoint number that the job's new holder writes; the record's checksums then
-fail to match and the restore falls back, so a race costs recomputation, never exactness.
-"""
+"""`Checkpointing`: when a worker checkpoints its resident jobs, the fenced switch, resume
+and clean-up (DESIGN.md §9; docs/checkpoints.md says what a checkpoint costs)."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from redis import Redis
@@ -28,24 +12,21 @@ from redis import Redis
 from jobs import keys, scripts
 from jobs.defaults import DEFAULT_SESSION_TTL_S
 from jobs.record import JobRecord
+from jobs.schema import JobState
 from jobs.scripts import Fence, Scripts
-from jobs.serializer import packb, unpackb
 from model.planner import ChunkPlan
 from model.prefill import Prefill
 from model.registry import LoadedModel
-from model.session_state import slot_from_state, slot_state
 
-from .checkpoint_policy import CheckpointPolicy
-from .checkpoints import (
-    CheckpointRecord,
-    CheckpointStore,
-    CheckpointWriter,
-    checksum,
-    delete_all,
-    latest_usable,
-)
+from .policy import CheckpointPolicy
+from .record import CheckpointRecord
+from .restore import delete_all, latest_usable
+from .sessions import SessionCheckpoints
+from .store import CheckpointStore
+from .writer import CheckpointWriter
 
 log = logging.getLogger("prefillq.worker")
+
 
 @dataclass
 class JobCheckpoints:
@@ -64,12 +45,27 @@ class JobCheckpoints:
 
 
 class Checkpointing:
-    """A worker's checkpoints of its resident jobs.
+    """A worker's KV checkpoints of its resident jobs, following each job's life
+    (`worker.hooks.JobHooks`).
+
+    After a chunk, a job whose last checkpoint is at least ``--checkpoint-every`` old (in
+    chunks or seconds) gets a new one: `CheckpointWriter` copies the rows since the last one
+    out on the chunk loop's thread and writes them on its own, at most one in flight, so the
+    next chunk computes meanwhile. Once every blob is in the store the job hash points at the
+    new record (`jobs.scripts.checkpoint_switch`, under the job's fence). A job that restarts
+    resumes on any worker from its latest usable checkpoint (`resume`), on the same chunk
+    boundaries; a job that ends has its blobs deleted. A fenced writer (its worker declared
+    dead while it still ran) can overwrite blobs the job's new holder wrote; the record's
+    checksums then fail and the restore falls back, so a race costs recomputation, never
+    exactness.
+
+    Not checkpointed mid-prefill: session jobs (their plan depends on the slot they start
+    from) and prompt_logprobs jobs (a resume would lack the earlier positions' logprobs).
 
     Args:
         connection: the queue's Redis (the job hash's switch).
         worker: this worker's name (the fence).
-        store: where blobs go (`worker.checkpoints.open_store`).
+        store: where blobs go (`worker.checkpoints.store.open_store`).
         policy: when to write.
         ttl_s: how long a job's blobs live after its latest checkpoint.
         max_bytes: jobs whose cache is larger are not checkpointed (one log line each).
@@ -107,16 +103,41 @@ class Checkpointing:
         return prefill, JobCheckpoints(latest=ckpt, key=record.checkpoint,
                                        since=time.monotonic())
 
-    # -- write -------------------------------------------------------------------------
+    # -- a job's life (`worker.hooks.JobHooks`) -----------------------------------------
 
-    def after_chunk(self, active) -> bool:
-        """After a chunk of the resident job `active` (a `worker.step.ActiveJob`): start its
-        checkpoint if one is due and the writer is free. Returns whether one started."""
+    def started(self, active, record: JobRecord) -> None:
+        """Checkpoint `active` from now on, unless it resumed (its state came with it), is a
+        session's or asked for prompt logprobs."""
+        if active.checkpoints is None and active.slot is None and record.prompt_logprobs is None:
+            active.checkpoints = JobCheckpoints(key=record.checkpoint, since=time.monotonic())
+
+    def chunk_done(self, active) -> bool:
+        """After a chunk of `active` (a `worker.active.ActiveJob`): start its checkpoint if
+        one is due and the writer is free. Returns whether one started."""
         state = active.checkpoints
+        if state is None:
+            return False
         state.chunks_since += 1
         if not self.policy.due(state.chunks_since, time.monotonic() - state.since):
             return False
         return self._submit(active)
+
+    def handing_back(self, active, *, last: bool) -> None:
+        """Before `active` goes back to intake: for the `last` hand-back (another worker
+        continues) a checkpoint now, else the one in flight landed (the restart sees it)."""
+        if active.checkpoints is None:
+            return
+        if last:
+            self.last(active)
+        else:
+            self.flush()
+
+    def leaving(self, active, ended: JobState | None) -> None:
+        """`active` left this worker; if it `ended`, its checkpoint blobs are deleted."""
+        if ended and active.checkpoints is not None:
+            self.ended(active.job_id, active.checkpoints)
+
+    # -- write -------------------------------------------------------------------------
 
     def last(self, active) -> None:
         """Checkpoint `active` now and wait for it (a hand-back: another worker resumes
@@ -179,81 +200,3 @@ class Checkpointing:
                 delete_all(self.store, state.key)
             except Exception:  # blobs expire anyway
                 log.warning("job %s: could not delete its checkpoints", job_id, exc_info=True)
-
-
-class SessionCheckpoints:
-    """Checkpoints of finished sessions' slots, so a session's next turn reuses its prefix
-    on any worker (the holder dead, or its slot evicted). One per session, replaced by each
-    finished turn, written on a background thread after a copy on the caller's; it lives
-    ``ttl_s`` after the session's last turn.
-
-    Args:
-        store: where they go (the job checkpoints' store).
-        ttl_s: lifetime of a session's checkpoint.
-        max_pending: slots copied and waiting to be written; past it a save is skipped.
-    """
-
-    def __init__(self, store: CheckpointStore, *, ttl_s: int, max_pending: int = 2):
-        self.store, self.ttl_s, self.max_pending = store, ttl_s, max_pending
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-ckpt")
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    def save(self, session: str, loaded: LoadedModel, slot) -> bool:
-        """Copy `slot` now and write it in the background; False when skipped (a poisoned
-        cache, or too many saves pending)."""
-        with self._lock:
-            if self._pending >= self.max_pending:
-                log.info("session %s: checkpoint skipped, %d pending", session, self._pending)
-                return False
-            self._pending += 1
-        try:
-            state = slot_state(slot)  # the copy; packing and writing happen on the thread
-        except Exception as e:
-            with self._lock:
-                self._pending -= 1
-            log.info("session %s: no checkpoint (%s: %s)", session, type(e).__name__, e)
-            return False
-        self._writer.submit(self._write, session, loaded.name, loaded.sha256, state)
-        return True
-
-    def _write(self, session: str, model: str, sha256: str, state: dict) -> None:
-        try:  # the blob first: the record is what makes it visible
-            blob = packb(state)
-            record = packb({"model": model, "model_sha256": sha256, "checksum": checksum(blob),
-                            "nbytes": len(blob), "committed": len(state["committed"]),
-                            "written_at": time.time()})
-            self.store.put(keys.session_checkpoint(session, "blob"), blob, self.ttl_s)
-            self.store.put(keys.session_checkpoint(session, "record"), record, self.ttl_s)
-            log.info("session %s: slot checkpointed (%d bytes)", session, len(blob))
-        except Exception as e:
-            log.warning("session %s: slot checkpoint failed: %s: %s", session,
-                        type(e).__name__, e)
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def load(self, session: str, loaded: LoadedModel):
-        """The session's checkpointed slot for `loaded`, or None (none, expired, another
-        model, a checksum mismatch or a state that does not fit: logged)."""
-        raw = self.store.get(keys.session_checkpoint(session, "record"))
-        if raw is None:
-            return None
-        try:
-            record = unpackb(raw)
-            if (record["model"], record["model_sha256"]) != (loaded.name, loaded.sha256):
-                raise ValueError(f"it is of {record['model']} {record['model_sha256'][:12]}")
-            blob = self.store.get(keys.session_checkpoint(session, "blob"))
-            if blob is None or checksum(blob) != record["checksum"]:
-                raise ValueError("its blob is missing or fails its checksum")
-            slot = slot_from_state(loaded.model, unpackb(blob))
-        except Exception as e:
-            log.warning("session %s: checkpoint not used: %s", session, e)
-            return None
-        log.info("session %s: slot restored from its checkpoint (%d tokens)", session,
-                 len(slot.committed))
-        return slot
-
-    def flush(self) -> None:
-        """Wait for the saves pending (tests, shutdown)."""
-        self._writer.submit(lambda: None).result()
