@@ -26,7 +26,7 @@ from .defaults import (
     DEFAULT_TOP_K,
 )
 from .limits import Limits
-from .queues import intake_levels, push_new, rq_queue_key
+from .queues import intake_levels, new_admission, rq_queue_key
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
 from .result import PrefillResult
 from .schema import JobStatus, LogitsMode
@@ -170,7 +170,7 @@ class AsyncPrefillClient:
         client's `limits`.
 
         The record, the RQ job hash and its queue push land in one MULTI, as the sync
-        client's; RQ's hash is built by `jobs.queues.push_new` without blocking the loop.
+        client's; its writes are `jobs.queues.new_admission`'s, as the sync client's.
         """
         record = protocol.submitted_record(
             self.limits, prompt=prompt, tokens=tokens, messages=messages,
@@ -189,7 +189,8 @@ class AsyncPrefillClient:
             worker = await self.session_holder(session) if session else None
             async with self.redis.pipeline(transaction=True) as pipe:  # MULTI, as the sync one
                 pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-                push_new(pipe, self.redis, record.job_id, model, record.priority, worker=worker)
+                new_admission(self.redis, record.job_id, model, record.priority,
+                              worker=worker).send(pipe)
                 stats.record_submitted(pipe)
                 await pipe.execute()
         except Exception:

@@ -26,7 +26,7 @@ from .defaults import (
     REDIS_URL_ENV,
 )
 from .limits import Limits
-from .queues import enqueue_new, intake_depth
+from .queues import intake_depth, new_admission
 from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
 from .result import PrefillResult
 from .schema import JobStatus, LogitsMode
@@ -201,9 +201,9 @@ class PrefillClient:
             with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job together
                 pipe.multi()
                 pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-                enqueue_new(self.redis, record.job_id, record.model, record.priority, pipe,
-                            worker=self.session_holder(record.session) if record.session
-                            else None)
+                worker = self.session_holder(record.session) if record.session else None
+                new_admission(self.redis, record.job_id, record.model, record.priority,
+                              worker=worker).send(pipe)
                 stats.record_submitted(pipe)
                 pipe.execute()
         except Exception:
