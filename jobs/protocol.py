@@ -208,6 +208,45 @@ def watch_wait(job_id: str, status: JobStatus, deadline: float | None) -> float:
     return min(left, WATCH_RECHECK_S)
 
 
+class Watch:
+    """What one `watch` of `job_id` keeps between reads, whatever its I/O: its deadline
+    (monotonic s, or None), the status it last yielded, and its `Outage`.
+
+    Raises:
+        JobNotFound: `job_id` cannot name a job (`checked_id`), before any Redis call.
+    """
+
+    def __init__(self, job_id: str, timeout: float | None):
+        self.job_id = checked_id(job_id)
+        self.deadline = watch_deadline(timeout)
+        self.outage = Outage()
+        self.last: JobStatus | None = None
+
+    def news(self, status: JobStatus) -> bool:
+        """A read returned `status`: whether it differs from the last one (to yield)."""
+        self.outage.ended()
+        new = status != self.last
+        self.last = status
+        return new
+
+    def retry_in(self, error: Exception) -> float:
+        """Seconds to wait after a failed read. Raises `error` once the outage has lasted
+        WATCH_OUTAGE_S or the deadline has passed."""
+        delay = self.outage.retry_in(self.deadline)
+        if delay is None:
+            raise error
+        return delay
+
+    def first_wait(self) -> float:
+        """Seconds to wait for the channel's SUBSCRIBE to be confirmed (`subscribe_wait`)."""
+        return subscribe_wait(self.deadline)
+
+    def wait(self, status: JobStatus) -> float:
+        """Seconds to wait for the next event after a non-terminal `status`. Raises
+        JobTimeout once the deadline has passed (`watch_wait`)."""
+        return watch_wait(self.job_id, status, self.deadline)
+
+
 def check_finished(job_id: str, status: JobStatus) -> None:
     """Raise unless the terminal `status` is ``finished``.
 

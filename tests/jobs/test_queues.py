@@ -97,3 +97,12 @@ def test_a_routed_job_s_admission_goes_to_its_worker_s_queue(connect):
     ours = by_admission(conn, queue, writes)
     theirs = by_rq(conn, queue, "job3", writes.rq_job_id)
     assert ours == {**theirs, keys.priorities(MODEL): ("set", -1, "[b'0']")}
+
+
+def test_building_an_admission_sends_nothing_through_its_connection(connect):
+    # the clients' plans hand RQ's Job their pipeline as its connection: nothing may land on it
+    with connect().pipeline() as pipe:
+        writes = new_admission(pipe, "job4", MODEL, 0)
+        assert len(pipe.command_stack) == 0
+        writes.send(pipe)
+        assert [c[0][0] for c in pipe.command_stack] == ["SADD", "SADD", "HSET", "RPUSH"]
