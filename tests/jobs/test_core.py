@@ -14,7 +14,8 @@ from redis.exceptions import OutOfMemoryError
 from jobs import AsyncPrefillClient, JobNotFound, Limits, PrefillClient, core, keys
 from jobs.cli import SUBMIT_DEFAULTS, SUBMIT_FLAGS, OneLineParser, add_submit
 from jobs.gateway.native import submit_fields
-from jobs.requests import SUBMIT_FIELDS, SubmitRequest, check_record
+from jobs.record import JobRecord
+from jobs.requests import RECORD_FIELD, SUBMIT_FIELDS, SubmitRequest, check_record
 from jobs.serializer import packb
 
 FIELDS = dataclasses.fields(SubmitRequest)
@@ -45,6 +46,14 @@ def test_the_cli_flags_are_fields_with_the_fields_defaults():
 def test_the_gateway_body_takes_every_field():
     body = {f.name: f.default for f in FIELDS}
     assert submit_fields(body) == body
+
+
+def test_the_record_stores_every_field_with_its_default():
+    stored = {f.name: f.default for f in dataclasses.fields(JobRecord)}
+    for f in FIELDS:
+        # a record always names its model: no default there
+        expected = dataclasses.MISSING if f.name == "model" else f.default
+        assert stored[RECORD_FIELD.get(f.name, f.name)] == expected, f.name
 
 
 def test_a_record_gives_back_the_checked_request():
