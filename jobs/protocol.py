@@ -1,9 +1,6 @@
-"""What every client of the queue does the same way, whatever its Redis I/O: the pieces
-`PrefillClient` (redis) and `AsyncPrefillClient` (redis.asyncio) share.
-
-Each function is pure (no Redis calls): it builds what a client sends (a new record, the
-keys and arguments of a script) or decodes what Redis replied, and raises the typed errors.
-The clients only do the I/O around them, so the two cannot drift apart.
+"""The pure pieces of both clients (`PrefillClient`, `AsyncPrefillClient`) that the plans of
+`jobs.core` and the two `watch` loops use: decoding what Redis replied, building a script's
+call, a watch's deadline and outage (`Watch`), each raising the typed errors. No Redis calls.
 """
 
 from __future__ import annotations
