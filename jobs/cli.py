@@ -10,6 +10,7 @@ stderr (`CLIError` and `jobs.errors` types, exit status 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -17,12 +18,18 @@ from pathlib import Path
 from typing import NoReturn
 
 from .client import PrefillClient, redis_url
-from .defaults import DEFAULT_MODEL, DEFAULT_TOP_K, REDIS_URL_ENV
+from .defaults import REDIS_URL_ENV
 from .errors import JobCanceled, JobFailed
+from .requests import SubmitRequest
 from .result import result_record
-from .schema import JobState
+from .schema import JobState, LogitsMode
 
 SAMPLE_PROMPT = "The capital of France is"
+# The `SubmitRequest` fields ``prefillq submit`` takes as flags, beside the prompt's source
+# (`prompt_input`); each flag defaults to the field's default.
+SUBMIT_FLAGS = ("model", "top_k", "logits", "session", "priority", "chunk_tokens",
+                "prompt_logprobs")
+SUBMIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SubmitRequest)}
 
 
 class CLIError(Exception):
@@ -185,16 +192,8 @@ def finish(client: PrefillClient, job_id: str, as_json: bool) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     client = PrefillClient.from_url(args.redis)
-    job_id = client.submit(
-        **prompt_input(args),
-        model=args.model,
-        top_k=args.top_k,
-        logits=args.logits,
-        session=args.session,
-        priority=args.priority,
-        chunk_tokens=args.chunk_tokens,
-        prompt_logprobs=args.prompt_logprobs,
-    )
+    job_id = client.submit(**prompt_input(args),
+                           **{name: getattr(args, name) for name in SUBMIT_FLAGS})
     print(job_id)
     return 0
 
@@ -253,14 +252,15 @@ def add_submit(sub) -> None:
     src.add_argument("--prompt-file")
     src.add_argument("--tokens-file", help="a file holding a JSON array of token ids")
     add_messages_flags(submit, src)
-    submit.add_argument("--model", default=DEFAULT_MODEL)
-    submit.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
-                        help=f"top next tokens to keep (default {DEFAULT_TOP_K})")
-    submit.add_argument("--logits", choices=["none", "top_k", "full"], default="top_k")
+    submit.add_argument("--model", default=SUBMIT_DEFAULTS["model"])
+    submit.add_argument("--top-k", type=int, default=SUBMIT_DEFAULTS["top_k"],
+                        help=f"top next tokens to keep (default {SUBMIT_DEFAULTS['top_k']})")
+    submit.add_argument("--logits", choices=[m.value for m in LogitsMode],
+                        default=SUBMIT_DEFAULTS["logits"].value)
     submit.add_argument("--session",
                         help="session id: the job's worker keeps its KV cache, and the "
                              "session's next job prefills only what its prompt adds")
-    submit.add_argument("--priority", type=int, default=0,
+    submit.add_argument("--priority", type=int, default=SUBMIT_DEFAULTS["priority"],
                         help="higher is admitted first (default 0)")
     submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
     submit.add_argument("--prompt-logprobs", type=int, metavar="K",

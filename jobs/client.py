@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -15,21 +15,17 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import keys, protocol, scripts, stats
+from . import core, keys, protocol
 from .defaults import (
-    DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_QUEUE_DEPTH,
-    DEFAULT_MODEL,
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL_S,
-    DEFAULT_TOP_K,
     REDIS_URL_ENV,
 )
 from .limits import Limits
-from .queues import enqueue_new, intake_depth
-from .requests import DEFAULT_LIMITS, ModelInfo, check_against_model, name_of
+from .requests import DEFAULT_LIMITS, ModelInfo, SubmitRequest
 from .result import PrefillResult
-from .schema import JobStatus, LogitsMode
+from .schema import JobStatus
 from .scripts import Scripts
 from .tokenizer import ServedTokenizer, TokenizerCache
 
@@ -109,13 +105,7 @@ class PrefillClient:
 
     def models(self) -> dict[str, ModelInfo]:
         """Models registered by workers, by name."""
-        return protocol.models_of(self.redis.hgetall(keys.MODELS))
-
-    def _model(self, name: str) -> ModelInfo:
-        blob = self.redis.hget(keys.MODELS, name_of("model", name))
-        if blob is None:
-            raise protocol.unknown_model(name, self.models())
-        return protocol.model_info(name, blob)
+        return self._run(core.models())
 
     def tokenizer(self, model: str) -> ServedTokenizer:
         """`model`'s tokenizer as its workers publish it (`jobs.tokenizer.ServedTokenizer`):
@@ -130,32 +120,17 @@ class PrefillClient:
                 prefillq), or one of a newer format; TokenizerMalformed (a subclass): the
                 published blob cannot be decoded.
         """
-        info = self._model(model)
+        info = self._run(core.model(model))
         return self._tokenizers.get(info.sha256, lambda: protocol.tokenizer_of(
-            info, self.redis.get(keys.tokenizer(info.sha256))))
+            info, self._run(core.tokenizer_blob(info))))
 
     # -- submit ------------------------------------------------------------------------
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        tokens: Sequence[int] | None = None,
-        messages: Sequence[dict] | None = None,
-        add_generation_prompt: bool = True,
-        model: str = DEFAULT_MODEL,
-        top_k: int = DEFAULT_TOP_K,
-        logits: str | LogitsMode = LogitsMode.TOP_K,
-        parse_special: bool = True,
-        session: str | None = None,
-        priority: int = 0,
-        prompt_logprobs: int | None = None,
-        chunk_tokens: int | None = None,
-        idempotency_key: str | None = None,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-    ) -> str:
+    @core.submit_signature
+    def submit(self, prompt: str | None = None, **fields: Any) -> str:
         """Enqueue a prefill; returns the job id.
 
+        The keywords are `jobs.requests.SubmitRequest`'s fields, with their defaults.
         Exactly one of `prompt` (text; BOS per the model, special tokens parsed unless
         `parse_special` is False), `tokens` (ids) or `messages` is given. `messages` is a
         chat, ``[{"role": "user", "content": "..."}, ...]``: the worker renders it with the
@@ -167,7 +142,7 @@ class PrefillClient:
 
         Raises:
             InvalidRequest: a bad value of any argument (checked against `limits` before
-                anything reaches Redis; `jobs.requests.new_record`), naming the field: ints
+                anything reaches Redis; `SubmitRequest.checked`), naming the field: ints
                 are ints (bools, floats, numeric strings refused), flags bools.
             PromptTooLarge: over ``limits.max_prompt_bytes`` of UTF-8 text; PromptTooLong:
                 more ids than the context (or ``limits.max_prompt_tokens``).
@@ -178,48 +153,28 @@ class PrefillClient:
                 under ``noeviction``); nothing of the job was written, and its
                 `idempotency_key` is free again. Other RedisErrors (unreachable) likewise.
         """
-        record = protocol.submitted_record(
-            self.limits, prompt=prompt, tokens=tokens, messages=messages,
-            add_generation_prompt=add_generation_prompt, model=model, top_k=top_k,
-            logits=logits, parse_special=parse_special, session=session, priority=priority,
-            chunk_tokens=chunk_tokens, idempotency_key=idempotency_key,
-            max_attempts=max_attempts, prompt_logprobs=prompt_logprobs,
-        )
-        check_against_model(record, self._model(model), self.limits)
-        protocol.check_depth(model, intake_depth(self.redis, model), self.max_queue_depth)
-        claim = None if idempotency_key is None else keys.idempotency(idempotency_key)
-        if claim is not None:
-            if not self.redis.set(claim, record.job_id, nx=True, ex=self.result_ttl_s):
-                return self.redis.get(claim).decode()
-        self._enqueue(record, claim)
-        return record.job_id
-
-    def _enqueue(self, record, claim: str | None) -> None:
-        """Write `record` and its RQ job in one MULTI; if that fails (a write Redis refused),
-        give the idempotency `claim` back before raising."""
-        try:
-            with self.redis.pipeline() as pipe:  # MULTI: the record and its RQ job together
-                pipe.multi()
-                pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
-                enqueue_new(self.redis, record.job_id, record.model, record.priority, pipe,
-                            worker=self.session_holder(record.session) if record.session
-                            else None)
-                stats.record_submitted(pipe)
-                pipe.execute()
-        except Exception:
-            if claim is not None:
-                try:  # best effort: the caller sees the submit's own error
-                    self._scripts.run(scripts.release(claim, record.job_id))
-                except Exception:
-                    pass
-            raise
+        request = SubmitRequest(prompt, **fields)
+        return self._run(core.submit(request, self.limits, self.max_queue_depth,
+                                     self.result_ttl_s))
 
     def session_holder(self, session: str) -> str | None:
         """The live worker that keeps `session`'s slot (its next job is routed there), or
         None: no worker has kept it, or that worker's heartbeat has expired."""
-        holder = self.redis.get(keys.session_holder(session))
-        alive = holder is not None and self.redis.exists(keys.worker_heartbeat(holder.decode()))
-        return protocol.live_holder(holder, bool(alive))
+        return self._run(core.session_holder(session))
+
+    def _run(self, plan: core.Plan) -> Any:
+        """`plan`'s value, each of its round trips sent here."""
+        run = core.Run(plan)
+        while run.trip is not None:
+            run.settle(self._send)
+        return run.value
+
+    def _send(self, trip: core.Trip) -> list:
+        if trip.call is not None:
+            return [self._scripts.run(trip.call)]
+        with self.redis.pipeline(transaction=trip.transaction) as pipe:
+            trip.queue(pipe)
+            return pipe.execute(raise_on_error=trip.raise_on_error)
 
     # -- status, cancel, result ----------------------------------------------------------
 
@@ -230,8 +185,7 @@ class PrefillClient:
             JobNotFound: no such job (or an id no job can have: not a non-empty str).
             CorruptJob: the job's record does not decode (written by something else).
         """
-        job_id = protocol.checked_id(job_id)
-        return protocol.status_of(job_id, self.redis.hgetall(keys.job(job_id)))
+        return self._run(core.status(job_id))
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a job; idempotent. True if this call changed anything.
@@ -240,13 +194,7 @@ class PrefillClient:
         boundary (state stays ``prefilling`` with ``cancel_requested`` until then).
         Raises JobNotFound.
         """
-        outcome = self._scripts.run(protocol.cancel_call(job_id, self.result_ttl_s))
-        ended = stats.terminal(outcome)  # a queued job canceled: no worker will count it
-        if ended:
-            with self.redis.pipeline(transaction=False) as pipe:
-                stats.record_terminal(pipe, ended)
-                pipe.execute(raise_on_error=False)  # best effort: the cancel has landed
-        return protocol.cancel_changed(job_id, outcome)
+        return self._run(core.cancel(job_id, self.result_ttl_s))
 
     def watch(self, job_id: str, timeout: float | None = None) -> Iterator[JobStatus]:
         """Yield the job's status now and after every change until it is terminal.
@@ -260,30 +208,25 @@ class PrefillClient:
             JobTimeout: `timeout` seconds passed before a terminal state.
             redis.ConnectionError, redis.TimeoutError: Redis stayed unreachable longer.
         """
-        job_id = protocol.checked_id(job_id)
-        deadline = protocol.watch_deadline(timeout)
-        outage = protocol.Outage()
+        watch = protocol.Watch(job_id, timeout)
         pubsub = None
-        last = None
         try:
             while True:
                 try:
                     if pubsub is None:
                         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                        pubsub.subscribe(keys.events(job_id))
-                    status = self.status(job_id)  # read after subscribing: no missed event
+                        pubsub.subscribe(keys.events(watch.job_id))
+                    status = self.status(watch.job_id)  # read after subscribing: no missed event
                 except CONNECTION_ERRORS as error:
                     pubsub = _closed(pubsub)
-                    _pause_or_raise(outage, deadline, error)
+                    time.sleep(watch.retry_in(error))
                     continue
-                outage.ended()
-                if status != last:
+                if watch.news(status):
                     yield status
-                    last = status
                 if status.state.is_terminal:
                     return
                 try:
-                    pubsub.get_message(timeout=protocol.watch_wait(job_id, status, deadline))
+                    pubsub.get_message(timeout=watch.wait(status))
                 except CONNECTION_ERRORS:  # the next turn reconnects and re-reads
                     pubsub = _closed(pubsub)
         finally:
@@ -302,22 +245,10 @@ class PrefillClient:
         for status in self.watch(job_id, timeout):
             if status.state.is_terminal:
                 break
-        protocol.check_finished(job_id, status)
-        blob = self.redis.hget(keys.job(job_id), "result")
-        logits, logprobs = self.redis.mget(keys.logits(job_id), keys.prompt_logprobs(job_id))
-        return protocol.result_of(job_id, blob, logits, logprobs)
+        return self._run(core.result(job_id, status))
 
 
 def _closed(pubsub) -> None:
     """Close `pubsub` (None: nothing to close); returns None for the caller to keep."""
     if pubsub is not None:
         pubsub.close()
-
-
-def _pause_or_raise(outage: protocol.Outage, deadline: float | None,
-                    error: Exception) -> None:
-    """Sleep before the next try during an outage, or raise `error` once it lasted too long."""
-    delay = outage.retry_in(deadline)
-    if delay is None:
-        raise error
-    time.sleep(delay)

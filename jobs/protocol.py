@@ -1,9 +1,6 @@
-"""What every client of the queue does the same way, whatever its Redis I/O: the pieces
-`PrefillClient` (redis) and `AsyncPrefillClient` (redis.asyncio) share.
-
-Each function is pure (no Redis calls): it builds what a client sends (a new record, the
-keys and arguments of a script) or decodes what Redis replied, and raises the typed errors.
-The clients only do the I/O around them, so the two cannot drift apart.
+"""The pure pieces of both clients (`PrefillClient`, `AsyncPrefillClient`) that the plans of
+`jobs.core` and the two `watch` loops use: decoding what Redis replied, building a script's
+call, a watch's deadline and outage (`Watch`), each raising the typed errors. No Redis calls.
 """
 
 from __future__ import annotations
@@ -206,6 +203,45 @@ def watch_wait(job_id: str, status: JobStatus, deadline: float | None) -> float:
     if left <= 0:
         raise JobTimeout(f"job {job_id} is still {status.state.value}")
     return min(left, WATCH_RECHECK_S)
+
+
+class Watch:
+    """What one `watch` of `job_id` keeps between reads, whatever its I/O: its deadline
+    (monotonic s, or None), the status it last yielded, and its `Outage`.
+
+    Raises:
+        JobNotFound: `job_id` cannot name a job (`checked_id`), before any Redis call.
+    """
+
+    def __init__(self, job_id: str, timeout: float | None):
+        self.job_id = checked_id(job_id)
+        self.deadline = watch_deadline(timeout)
+        self.outage = Outage()
+        self.last: JobStatus | None = None
+
+    def news(self, status: JobStatus) -> bool:
+        """A read returned `status`: whether it differs from the last one (to yield)."""
+        self.outage.ended()
+        new = status != self.last
+        self.last = status
+        return new
+
+    def retry_in(self, error: Exception) -> float:
+        """Seconds to wait after a failed read. Raises `error` once the outage has lasted
+        WATCH_OUTAGE_S or the deadline has passed."""
+        delay = self.outage.retry_in(self.deadline)
+        if delay is None:
+            raise error
+        return delay
+
+    def first_wait(self) -> float:
+        """Seconds to wait for the channel's SUBSCRIBE to be confirmed (`subscribe_wait`)."""
+        return subscribe_wait(self.deadline)
+
+    def wait(self, status: JobStatus) -> float:
+        """Seconds to wait for the next event after a non-terminal `status`. Raises
+        JobTimeout once the deadline has passed (`watch_wait`)."""
+        return watch_wait(self.job_id, status, self.deadline)
 
 
 def check_finished(job_id: str, status: JobStatus) -> None:

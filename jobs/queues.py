@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from redis import Redis
 from rq import Queue
@@ -127,18 +128,73 @@ def intake_depth(redis: Redis, model: str) -> int:
     return sum(len(intake_queue(redis, model, p)) for p in intake_priorities(redis, model))
 
 
-def enqueue_admission(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
-    """Put the admitting execution of `job_id` on `queue` (an RQ job with a fresh id and
-    `ADMIT_OPTIONS`)."""
-    queue.enqueue_call(
-        ADMIT_FUNCTION,
-        args=(job_id,),
-        job_id=admission_job_id(job_id),
-        description=admission_description(job_id),
-        pipeline=pipeline,
-        at_front=at_front,
-        **ADMIT_OPTIONS,
+@dataclass(frozen=True)
+class Admission:
+    """One admitting execution of a job, as the Redis writes that enqueue it: the commands
+    RQ's ``Queue.enqueue_call`` sends for a job without dependencies (SADD ``rq:queues``,
+    HSET the RQ job's hash with ``status`` queued, RPUSH its id, or LPUSH at the front),
+    built by RQ's own `Job` but sent by the caller, on a redis or a redis.asyncio pipeline
+    (rq has no asyncio API). ``tests/jobs/test_queues.py`` checks them against RQ's.
+
+    Attributes:
+        rq_job_id: the RQ job's id (`admission_job_id`).
+        writes: ``(command, args, kwargs)`` of each pipeline method to call, in order.
+    """
+
+    rq_job_id: str
+    writes: tuple[tuple[str, tuple, dict], ...]
+
+    def send(self, pipeline) -> None:
+        """Queue `writes` on `pipeline` (no I/O here: the caller executes it)."""
+        for command, args, kwargs in self.writes:
+            getattr(pipeline, command)(*args, **kwargs)
+
+
+def admission(connection, queue_name: str, job_id: str, *, at_front: bool = False) -> Admission:
+    """The writes that put the admitting execution of `job_id` on queue `queue_name`: an RQ
+    job with a fresh id (`admission_job_id`), msgpack serializer and `ADMIT_OPTIONS`, at the
+    queue's tail (its head with `at_front`). `connection` (redis or redis.asyncio) is only
+    held by RQ's `Job` object, which requires one; nothing is sent through it."""
+    job = Job.create(
+        ADMIT_FUNCTION, args=(job_id,), connection=connection, id=admission_job_id(job_id),
+        description=admission_description(job_id), origin=queue_name, status=JobStatus.QUEUED,
+        serializer=MsgpackSerializer, **ADMIT_OPTIONS,
     )
+    job.enqueued_at = rq_now()
+    queue_key = rq_queue_key(queue_name)
+    return Admission(job.id, (
+        ("sadd", (Queue.redis_queues_keys, queue_key), {}),
+        ("hset", (job.key,), {"mapping": job.to_dict()}),
+        ("lpush" if at_front else "rpush", (queue_key, job.id), {}),
+    ))
+
+
+def new_admission(connection, job_id: str, model: str, priority: int, *,
+                  worker: str | None = None) -> Admission:
+    """`admission` of a new job, on its intake queue at `priority` (recorded in
+    ``keys.priorities(model)``), or on `worker`'s own queue when it is routed there (a
+    session's next job goes to the worker that keeps the session's slot)."""
+    first = admission(connection, new_queue_name(model, priority, worker), job_id)
+    return Admission(first.rq_job_id,
+                     (("sadd", (keys.priorities(model), int(priority)), {}), *first.writes))
+
+
+def enqueue_admission(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
+    """Put the admitting execution of `job_id` on `queue` (`admission`), inside `pipeline`
+    when given, else in a MULTI of its own."""
+    writes = admission(queue.connection, queue.name, job_id, at_front=at_front)
+    if pipeline is not None:
+        writes.send(pipeline)
+        return
+    with queue.connection.pipeline() as pipe:
+        writes.send(pipe)
+        pipe.execute()
+
+
+def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, *,
+                worker: str | None = None) -> None:
+    """Send `new_admission`'s writes on `pipeline` (the caller executes it)."""
+    new_admission(redis, job_id, model, priority, worker=worker).send(pipeline)
 
 
 def admission_job_id(job_id: str) -> str:
@@ -148,48 +204,6 @@ def admission_job_id(job_id: str) -> str:
 
 def admission_description(job_id: str) -> str:
     return f"admit prefill {job_id}"
-
-
-def push_new_admission(pipeline, connection, queue_name: str, job_id: str) -> str:
-    """Queue, on `pipeline`, the writes `enqueue_admission` makes through RQ for a new job, with
-    no Redis I/O of its own; returns the RQ job id.
-
-    For a pipeline RQ cannot drive (redis.asyncio's: rq has no asyncio API). RQ's own `Job`
-    builds the job hash (msgpack serializer, `ADMIT_OPTIONS`), and the writes are the ones
-    ``Queue.enqueue_job`` makes for a job without dependencies: SADD ``rq:queues``, HSET the
-    hash (its ``status`` queued), RPUSH the id. `connection` is only held by the `Job`
-    object (RQ requires one); nothing is sent through it.
-    """
-    job = Job.create(
-        ADMIT_FUNCTION, args=(job_id,), connection=connection, id=admission_job_id(job_id),
-        description=admission_description(job_id), origin=queue_name, status=JobStatus.QUEUED,
-        serializer=MsgpackSerializer, **ADMIT_OPTIONS,
-    )
-    job.enqueued_at = rq_now()
-    queue_key = rq_queue_key(queue_name)
-    pipeline.sadd(Queue.redis_queues_keys, queue_key)
-    pipeline.hset(job.key, mapping=job.to_dict())
-    pipeline.rpush(queue_key, job.id)
-    return job.id
-
-
-def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, *,
-                worker: str | None = None) -> None:
-    """Enqueue a new job's first execution (inside `pipeline`): on its intake queue, or on
-    `worker`'s own queue when it is routed there (a session's next job goes to the worker
-    that keeps the session's slot)."""
-    pipeline.sadd(keys.priorities(model), int(priority))
-    queue = Queue(new_queue_name(model, priority, worker), connection=redis,
-                  serializer=MsgpackSerializer, job_class=AdmissionJob)
-    enqueue_admission(queue, job_id, pipeline=pipeline)
-
-
-def push_new(pipeline, connection, job_id: str, model: str, priority: int, *,
-             worker: str | None = None) -> None:
-    """`enqueue_new`'s writes, queued on any pipeline (redis.asyncio's too) by
-    `push_new_admission`, with no Redis I/O of their own."""
-    pipeline.sadd(keys.priorities(model), int(priority))
-    push_new_admission(pipeline, connection, new_queue_name(model, priority, worker), job_id)
 
 
 def job_id_of(rq_job_id: str) -> str:

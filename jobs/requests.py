@@ -1,11 +1,12 @@
 """Validation of a submitted prefill, shared by every client and by the worker.
 
-`new_record` checks a submit's keywords and builds the job's record; `check_record` runs the
-same checks on a record the worker decoded, against the worker's own `Limits`, so a job a
-foreign or older client enqueued fails with the same typed errors; `check_token_ids` checks
-token ids against a model, at submit (for ``tokens=``) and in the worker (after tokenizing a
-text prompt). Every error is an `InvalidRequest` (or a subclass) whose message starts with
-the offending field's name; nothing else escapes, whatever the caller passes.
+`SubmitRequest` holds a submit's fields, defined once; `SubmitRequest.checked` is their one
+validation. `new_record` builds a new job's record through it; `check_record` runs it on a
+record the worker decoded, against the worker's own `Limits`, so a job a foreign or older
+client enqueued fails with the same typed errors; `check_token_ids` checks token ids against
+a model, at submit (for ``tokens=``) and in the worker (after tokenizing a text prompt).
+Every error is an `InvalidRequest` (or a subclass) whose message starts with the offending
+field's name; nothing else escapes, whatever the caller passes.
 
 Integers are real ``int``s (numpy integer scalars too, through ``__index__``): a bool, a
 float or a numeric string is refused, never rounded or parsed.
@@ -13,12 +14,20 @@ float or a numeric string is refused, never rounded or parsed.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import MAX_ATTEMPTS, MAX_NAME_BYTES, MAX_PRIORITY
+from .defaults import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MODEL,
+    DEFAULT_TOP_K,
+    MAX_ATTEMPTS,
+    MAX_NAME_BYTES,
+    MAX_PRIORITY,
+)
 from .errors import EmptyPrompt, InvalidRequest, PromptTooLarge, PromptTooLong, TokenOutOfRange
 from .limits import Limits
 from .record import JobRecord
@@ -232,94 +241,106 @@ def _prompt_logprobs(k: Any, session: str | None, limits: Limits) -> int | None:
     return k
 
 
-def checked_fields(limits: Limits, *, prompt: Any, tokens: Any, messages: Any,
-                   add_generation_prompt: Any, model: Any, top_k: Any, logits: Any,
-                   parse_special: Any, session: Any, priority: Any, prompt_logprobs: Any,
-                   chunk_tokens: Any, idempotency_key: Any, max_attempts: Any) -> dict:
-    """`submit`'s keywords checked against `limits`, as `JobRecord` fields (``logits``
-    becomes ``logits_mode``; sequences become new lists).
+@dataclass(frozen=True)
+class SubmitRequest:
+    """One prefill as a client submits it: the fields of `PrefillClient.submit` (see it for
+    their meaning), defined here once. Both clients' ``submit`` take these keywords
+    (`submit_signature`), the gateway's ``POST /v1/prefill`` body holds them, and the job's
+    record stores them (`record`, `of_record`; ``logits`` is the record's ``logits_mode``).
+
+    A request as given may hold anything; `checked` is the one validation of it.
+    """
+
+    prompt: str | None = None
+    tokens: Sequence[int] | None = None
+    messages: Sequence[dict] | None = None
+    add_generation_prompt: bool = True
+    model: str = DEFAULT_MODEL
+    top_k: int = DEFAULT_TOP_K
+    logits: str | LogitsMode = LogitsMode.TOP_K
+    parse_special: bool = True
+    session: str | None = None
+    priority: int = 0
+    prompt_logprobs: int | None = None
+    chunk_tokens: int | None = None
+    idempotency_key: str | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+
+    def checked(self, limits: Limits = DEFAULT_LIMITS) -> SubmitRequest:
+        """This request with every field checked against `limits`: ``logits`` a
+        `LogitsMode`, sequences new lists of ints or ``{role, content}`` dicts.
+
+        Token ids are not checked against the model here (`check_against_model` does
+        that), nor messages against its chat template (the worker renders them).
+
+        Raises:
+            InvalidRequest: naming the field: no input or two; a prompt that is not a str,
+                is blank or holds a lone surrogate; tokens that are not a non-empty list of
+                ints (bools and floats refused); malformed messages (`check_messages`); a
+                model, session or idempotency_key that is not a non-empty str of at most
+                ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a bool;
+                top_k outside [0, limits.max_top_k]; logits not none/top_k/full; priority
+                outside [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts
+                outside [1, MAX_ATTEMPTS]; prompt_logprobs outside [0,
+                limits.max_prompt_logprobs] or with a session.
+            PromptTooLarge: the prompt's (or messages') UTF-8 bytes exceed
+                ``limits.max_prompt_bytes``.
+        """
+        session = name_of("session", self.session, optional=True)
+        return SubmitRequest(
+            **_inputs(self.prompt, self.tokens, self.messages, limits),
+            model=name_of("model", self.model),
+            add_generation_prompt=flag("add_generation_prompt", self.add_generation_prompt),
+            top_k=int_in("top_k", self.top_k, 0, limits.max_top_k),
+            logits=_logits_mode(self.logits),
+            parse_special=flag("parse_special", self.parse_special),
+            priority=int_in("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY),
+            chunk_tokens=None if self.chunk_tokens is None else int_in(
+                "chunk_tokens", self.chunk_tokens, 1, MAX_CHUNK_TOKENS),
+            session=session,
+            prompt_logprobs=_prompt_logprobs(self.prompt_logprobs, session, limits),
+            idempotency_key=name_of("idempotency_key", self.idempotency_key, optional=True),
+            max_attempts=int_in("max_attempts", self.max_attempts, 1, MAX_ATTEMPTS),
+        )
+
+    def record(self, job_id: str, enqueued_at: float) -> JobRecord:
+        """The queued record of this (`checked`) request as job `job_id`, enqueued at
+        `enqueued_at` (UTC epoch seconds)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["logits_mode"] = fields.pop("logits")
+        return JobRecord(job_id=job_id, enqueued_at=enqueued_at, **fields)
+
+    @classmethod
+    def of_record(cls, record: JobRecord) -> SubmitRequest:
+        """The request a job's `record` was built from (`record`'s inverse)."""
+        return cls(**{f.name: getattr(record, RECORD_FIELD.get(f.name, f.name))
+                      for f in dataclasses.fields(cls)})
+
+
+# the `JobRecord` field of a `SubmitRequest` field, where its name differs
+RECORD_FIELD = {"logits": "logits_mode"}
+SUBMIT_FIELDS = frozenset(f.name for f in dataclasses.fields(SubmitRequest))
+
+
+def new_record(job_id: str, *, enqueued_at: float, limits: Limits = DEFAULT_LIMITS,
+               **submit: Any) -> JobRecord:
+    """The queued record of a submit of `submit`'s keywords (`SubmitRequest`'s fields),
+    checked against `limits`.
 
     Raises:
-        InvalidRequest (naming the field), PromptTooLarge: see `new_record`.
+        InvalidRequest, PromptTooLarge: as `SubmitRequest.checked`.
+        TypeError: a keyword that is not a field.
     """
-    session = name_of("session", session, optional=True)
-    return {
-        **_inputs(prompt, tokens, messages, limits),
-        "model": name_of("model", model),
-        "add_generation_prompt": flag("add_generation_prompt", add_generation_prompt),
-        "top_k": int_in("top_k", top_k, 0, limits.max_top_k),
-        "logits_mode": _logits_mode(logits),
-        "parse_special": flag("parse_special", parse_special),
-        "priority": int_in("priority", priority, -MAX_PRIORITY, MAX_PRIORITY),
-        "chunk_tokens": None if chunk_tokens is None else int_in(
-            "chunk_tokens", chunk_tokens, 1, MAX_CHUNK_TOKENS),
-        "session": session,
-        "prompt_logprobs": _prompt_logprobs(prompt_logprobs, session, limits),
-        "idempotency_key": name_of("idempotency_key", idempotency_key, optional=True),
-        "max_attempts": int_in("max_attempts", max_attempts, 1, MAX_ATTEMPTS),
-    }
-
-
-def new_record(
-    job_id: str,
-    *,
-    prompt: str | None,
-    tokens: Sequence[int] | None,
-    messages: Sequence[dict] | None,
-    add_generation_prompt: bool = True,
-    model: str,
-    top_k: int,
-    logits: str | LogitsMode,
-    parse_special: bool,
-    session: str | None,
-    priority: int,
-    prompt_logprobs: int | None = None,
-    chunk_tokens: int | None,
-    idempotency_key: str | None,
-    max_attempts: int,
-    enqueued_at: float,
-    limits: Limits = DEFAULT_LIMITS,
-) -> JobRecord:
-    """Check a submit's arguments (see `PrefillClient.submit`) and build its queued record.
-
-    Token ids are not checked against the model here (`check_against_model` does that), nor
-    messages against its chat template (the worker renders them).
-
-    Raises:
-        InvalidRequest: naming the field: no input or two; a prompt that is not a str, is
-            blank or holds a lone surrogate; tokens that are not a non-empty list of ints
-            (bools and floats refused); malformed messages (`check_messages`); a model,
-            session or idempotency_key that is not a non-empty str of at most
-            ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a bool; top_k
-            outside [0, limits.max_top_k]; logits not none/top_k/full; priority outside
-            [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts outside [1,
-            MAX_ATTEMPTS]; prompt_logprobs outside [0, limits.max_prompt_logprobs] or with
-            a session.
-        PromptTooLarge: the prompt's (or messages') UTF-8 bytes exceed
-            ``limits.max_prompt_bytes``.
-    """
-    fields = checked_fields(
-        limits, prompt=prompt, tokens=tokens, messages=messages,
-        add_generation_prompt=add_generation_prompt, model=model, top_k=top_k, logits=logits,
-        parse_special=parse_special, session=session, priority=priority,
-        prompt_logprobs=prompt_logprobs, chunk_tokens=chunk_tokens,
-        idempotency_key=idempotency_key, max_attempts=max_attempts)
-    return JobRecord(job_id=job_id, enqueued_at=enqueued_at, **fields)
+    return SubmitRequest(**submit).checked(limits).record(job_id, enqueued_at)
 
 
 def check_record(record: JobRecord, limits: Limits = DEFAULT_LIMITS) -> None:
-    """`new_record`'s checks on a decoded record (the worker's, before it tokenizes).
+    """`SubmitRequest.checked` on a decoded record (the worker's, before it tokenizes).
 
     Raises:
-        InvalidRequest, PromptTooLarge: as `new_record`.
+        InvalidRequest, PromptTooLarge: as `SubmitRequest.checked`.
     """
-    checked_fields(
-        limits, prompt=record.prompt, tokens=record.tokens, messages=record.messages,
-        add_generation_prompt=record.add_generation_prompt, model=record.model,
-        top_k=record.top_k, logits=record.logits_mode, parse_special=record.parse_special,
-        session=record.session, priority=record.priority,
-        prompt_logprobs=record.prompt_logprobs, chunk_tokens=record.chunk_tokens,
-        idempotency_key=record.idempotency_key, max_attempts=record.max_attempts)
+    SubmitRequest.of_record(record).checked(limits)
 
 
 def check_against_model(record: JobRecord, info: ModelInfo,

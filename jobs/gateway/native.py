@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from ..errors import InvalidRequest, JobCanceled, JobFailed, JobTimeout
+from ..requests import SUBMIT_FIELDS
 from ..result import result_record
 from ..schema import JobStatus
 from .body import json_object
@@ -17,12 +18,6 @@ from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_body
 from .liveness import Live, require_live_worker
 
-# What `submit` takes from a body; anything else is refused, so a typo is not ignored.
-SUBMIT_FIELDS = frozenset({
-    "prompt", "tokens", "messages", "add_generation_prompt", "model", "top_k", "logits",
-    "parse_special", "session", "priority", "prompt_logprobs", "chunk_tokens",
-    "idempotency_key", "max_attempts",
-})
 # Longest `?wait=` (s): a longer wait belongs in a loop of waits or in `/events`.
 MAX_WAIT_S = 600.0
 
@@ -30,7 +25,8 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 def submit_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """`body` as `submit`'s keywords. Raises InvalidRequest naming an unknown field."""
+    """`body` as `submit`'s keywords (`SubmitRequest`'s fields): anything else is refused,
+    so a typo is not ignored. Raises InvalidRequest naming an unknown field."""
     unknown = sorted(set(body) - SUBMIT_FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown field {unknown[0]!r}; the fields are "

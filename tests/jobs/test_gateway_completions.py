@@ -21,6 +21,18 @@ def served(loaded) -> ServedTokenizer:
     return ServedTokenizer.from_blob(pack_tokenizer(loaded.tokenizer.published()))
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny) -> ServedTokenizer:
+    """The tiny Gemma 3's published tokenizer, built once for this module."""
+    return served(tiny)
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma) -> ServedTokenizer:
+    """The real Gemma 3's published tokenizer (~1 s to build), built once for this module."""
+    return served(gemma)
+
+
 def scored(client_input: dict, job_ids: list[int], generated: int) -> Scored:
     """A finished job over `job_ids`: position i's logprob is ``-i`` (none at 0)."""
     entries = [{"token": t, "logprob": None if i == 0 else -float(i),
@@ -60,19 +72,19 @@ def check_text_prompt(tokenizer: ServedTokenizer, text: str) -> None:
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_echoed_tokens_spell_a_text_prompt_on_the_tiny_tokenizer(tiny, text):
-    check_text_prompt(served(tiny), text)
+def test_echoed_tokens_spell_a_text_prompt_on_the_tiny_tokenizer(tiny_tokenizer, text):
+    check_text_prompt(tiny_tokenizer, text)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("text", [ISSUE_TEXT, *TEXTS])
-def test_echoed_tokens_spell_a_text_prompt_on_gemma3(gemma, text):
-    check_text_prompt(served(gemma), text)
+def test_echoed_tokens_spell_a_text_prompt_on_gemma3(gemma_tokenizer, text):
+    check_text_prompt(gemma_tokenizer, text)
 
 
 @pytest.mark.slow
-def test_control_tokens_are_echoed_with_their_text_on_gemma3(gemma):
-    tokenizer = served(gemma)
+def test_control_tokens_are_echoed_with_their_text_on_gemma3(gemma_tokenizer):
+    tokenizer = gemma_tokenizer
     ids = tokenizer.encode(ISSUE_TEXT)
     assert ids[:4] == [2, 105, 2364, 107]
     c = echoed(tokenizer, scored({"tokens": ids}, ids, generated=106), max_tokens=1)
@@ -84,8 +96,8 @@ def test_control_tokens_are_echoed_with_their_text_on_gemma3(gemma):
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
 
 
-def test_a_character_in_byte_tokens_belongs_to_the_token_that_completes_it(tiny):
-    tokenizer = served(tiny)
+def test_a_character_in_byte_tokens_belongs_to_the_token_that_completes_it(tiny_tokenizer):
+    tokenizer = tiny_tokenizer
     ids = tokenizer.encode("a 𓀀 b", add_bos=False)
     c = echoed(tokenizer, scored({"tokens": ids}, ids, generated=ids[0]), max_tokens=0)
     assert_spelled(c)
@@ -100,8 +112,8 @@ def test_with_bos_puts_one_before_token_ids_that_lack_it():
     assert with_bos(inputs, None) == inputs
 
 
-def test_the_bos_put_before_token_ids_is_context_not_echo(tiny):
-    tokenizer = served(tiny)
+def test_the_bos_put_before_token_ids_is_context_not_echo(tiny_tokenizer):
+    tokenizer = tiny_tokenizer
     ids = tokenizer.encode("a 𓀀 b", add_bos=False)
     (job_input,) = with_bos([{"tokens": ids}], tokenizer.bos_id)
     c = echoed(tokenizer, scored({"tokens": ids}, job_input["tokens"], generated=ids[0]), 1)
