@@ -15,7 +15,15 @@ import platform
 import time
 from pathlib import Path
 
-from .common import REFERENCES, Recorder, git_commit, load_or_exit, log, refuse_existing
+from .common import (
+    REFERENCES,
+    Recorder,
+    bench_parser,
+    git_commit,
+    load_or_exit,
+    log,
+    refuse_existing,
+)
 
 QUICK_TOKENS = 4096
 DEFAULT_MODEL = "gemma3-270m"
@@ -48,18 +56,13 @@ def _context() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="5-6 minutes on 2 cores: a 4K-token prompt, no llama.cpp")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON line per measurement (default: aligned text lines)")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="registry name (default %(default)s; another real model, e.g. "
                    "smollm2-135m, with --ratios-only)")
     p.add_argument("--plots", type=Path, help="write PNG plots and results.json here")
-    p.add_argument("--out", type=Path,
-                   help="also write the context and every record, one JSON line each, here")
     p.add_argument("--curves-only", action="store_true",
                    help="only the tokens/s curves (vs prompt length and vs chunk size)")
     p.add_argument("--curve-max", type=int, default=32_768,

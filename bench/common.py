@@ -113,6 +113,21 @@ def causal_attention_flops(queries: int, heads: int, head_dim: int) -> float:
     return 2 * 2 * (queries * queries / 2) * head_dim * heads
 
 
+def bench_parser(prog: str, description: str | None, *, json_lines: bool = True
+                 ) -> argparse.ArgumentParser:
+    """A bench CLI's parser: its module docstring as written, and the results options every
+    bench takes: ``--out FILE`` (see `refuse_existing`) and, with `json_lines`, ``--json``
+    (a bench without it always prints JSON lines)."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if json_lines:
+        p.add_argument("--json", action="store_true",
+                       help="one JSON line per measurement (default: aligned text lines)")
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="also write the context and every record here, one JSON line each")
+    return p
+
+
 def refuse_existing(parser: argparse.ArgumentParser, out: Path | None) -> None:
     """End the run (``parser.error``, exit status 2) if results file `out` already exists:
     results are never overwritten."""

@@ -6,7 +6,6 @@ one run on one redis-server, one ``prefillq worker`` and one ``prefillq serve`` 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import httpx
 from jobs import AsyncPrefillClient, PrefillClient, keys
 from worker.redis_server import RedisServer, free_port
 
-from .common import Recorder, log, machine_context, prompt_ids, refuse_existing
+from .common import Recorder, bench_parser, log, machine_context, prompt_ids, refuse_existing
 
 SCORING_TOKENS = 256
 SHORT_TOKENS = 16
@@ -190,10 +189,7 @@ def _context(model: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="one JSON line per measurement")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
+    p = bench_parser("python -m bench.gateway", __doc__)
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     args = p.parse_args(argv)

@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -25,7 +24,7 @@ from model.kernels.flash_attention import available as fused_available
 from model.prefill import start_prefill
 
 from . import gpu_deepseek4, gpu_peers
-from .common import Recorder, git_commit, log, refuse_existing
+from .common import Recorder, bench_parser, git_commit, log, refuse_existing
 from .gpu_attention import MICRO, micro
 from .gpu_peers import DEFAULT_BACKEND, SDPA_BACKENDS
 
@@ -266,8 +265,7 @@ def _names(choices) -> Callable[[str], list[str]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.gpu", __doc__, json_lines=False)
     p.add_argument("--quick", action="store_true",
                    help="one case per model (8,192 tokens in 2,048-token chunks)")
     p.add_argument("--check", action="store_true",
@@ -289,8 +287,6 @@ def parser() -> argparse.ArgumentParser:
                    help="with --check: only the checks whose name holds TEXT")
     p.add_argument("--deepseek4-layers", type=int, default=4, metavar="N",
                    help="layers of DeepSeek-V4-Flash to build (0: skip; default %(default)s)")
-    p.add_argument("--out", type=Path, metavar="FILE",
-                   help="also write the context and every record here")
     return p
 
 

@@ -7,12 +7,10 @@ Each of `variants` runs the whole prefill with one part changed, alternating in 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -21,7 +19,7 @@ from model.chunk import finish_chunk, launch_chunk
 from model.kernels import flash_attention as fa
 from model.prefill import start_prefill
 
-from .common import Recorder, interleaved, log, patched, refuse_existing
+from .common import Recorder, bench_parser, interleaved, log, patched, refuse_existing
 from .gpu import gemma3_model
 
 REPEATS = 3
@@ -104,12 +102,10 @@ def variants(model) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_ablate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.gpu_ablate", __doc__, json_lines=False)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
     p.add_argument("--chunk", type=int, nargs="+", default=[2048])
     p.add_argument("--variants", nargs="+", help="run only these (default: all)")
-    p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
     knobs = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}

@@ -6,19 +6,17 @@ against the unfused MLX path (`check`) and TFLOP/s against MLX and torch SDPA (`
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 import mlx.core as mx
 
 from model.archs._attention import blocked_attention
 from model.kernels.flash_attention import available, flash_attention, grid_plan
 
-from .common import Recorder, causal_attention_flops, git_commit, log, refuse_existing
+from .common import Recorder, bench_parser, causal_attention_flops, git_commit, log, refuse_existing
 from .gpu_peers import attention_plan, attention_ratios, run_all
 
 # bf16 keeps 8 significant bits (relative step 2^-8 ~ 3.9e-3); P is rounded to bf16 before
@@ -115,10 +113,8 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_attention", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.gpu_attention", __doc__, json_lines=False)
     p.add_argument("--check", action="store_true", help="only the exactness check")
-    p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not available():
         p.error(f"no CUDA GPU: MLX's default device is {mx.default_device()}")

@@ -6,7 +6,6 @@ against the same prefill in process, side by side (bf16, Gemma 3 270M shapes, ra
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import statistics
@@ -19,7 +18,7 @@ from model.prefill import start_prefill
 from model.registry import LoadedModel
 from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
-from .common import Recorder, git_commit, log, refuse_existing
+from .common import Recorder, bench_parser, git_commit, log, refuse_existing
 from .gpu import GEMMA3_270M, gemma3_model
 from .queue import queued_prefill
 
@@ -109,11 +108,9 @@ def checkpoint_over_none(rec: Recorder, loaded: LoadedModel, n: int, chunk: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_queue", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.gpu_queue", __doc__, json_lines=False)
     p.add_argument("--repeats", type=int, default=16,
                    help="runs per side (default %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
     args = p.parse_args(argv)
     if mx.default_device() != mx.gpu:
         p.error(f"no GPU: MLX's default device is {mx.default_device()}")

@@ -22,7 +22,7 @@ import redis
 from jobs import JobStatus, PrefillClient, keys, protocol, stats
 from worker.redis_server import RedisServer
 
-from .common import Recorder, log, machine_context, refuse_existing
+from .common import Recorder, bench_parser, log, machine_context, refuse_existing
 from .observe import EventCounter, MemorySampler, keyspace, memory_now
 from .scale import WorkerFleet
 
@@ -297,8 +297,7 @@ def _context(cfg: LoadConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.load", __doc__)
     d = LoadConfig()
     p.add_argument("--jobs", type=int, default=d.jobs, help="jobs (default %(default)s)")
     p.add_argument("--workers", type=int, default=d.workers,
@@ -308,8 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="submitting threads (default %(default)s)")
     p.add_argument("--ttl", type=int, default=d.ttl_s,
                    help="the workers' --result-ttl and --logits-ttl (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="one JSON line per measurement")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
     return p
 
 

@@ -25,7 +25,7 @@ from jobs.defaults import DEFAULT_MAX_ACTIVE
 from jobs.queues import intake_depth
 from worker.redis_server import RedisServer, calls_by_command
 
-from .common import Recorder, log, machine_context, refuse_existing
+from .common import Recorder, bench_parser, log, machine_context, refuse_existing
 
 MODEL = "gemma3-tiny"
 CHUNK_TOKENS = 16
@@ -237,8 +237,7 @@ def _context(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("python -m bench.scale", __doc__)
     p.add_argument("--workers", type=int, default=8, help="worker processes (default 8)")
     p.add_argument("--jobs", type=int,
                    help="jobs to submit (default: 8 x max_active per worker, enough to keep "
@@ -249,8 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after submitting before the window (default %(default)s)")
     p.add_argument("--seconds", type=float, default=20.0,
                    help="length of the measured window (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="one JSON line per measurement")
-    p.add_argument("--out", type=Path, help="also write the context and every record here")
     return p
 
 

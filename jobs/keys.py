@@ -65,6 +65,7 @@ PRIORITY_INTAKE_QUEUE = "prefill:{model}:p{priority}"
 STICKY_QUEUE = "prefill:w:{worker}"
 
 
+# One builder per key, as RQ names its keys: each call says which key it builds (a table).
 def job(job_id: str) -> str:
     return JOB.format(job_id=job_id)
 

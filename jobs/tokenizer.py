@@ -11,16 +11,15 @@ and the `tokenizers` JSON compressed with zlib. Building needs the `tokenizers` 
 from __future__ import annotations
 
 import asyncio
-import operator
 import threading
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from tokentext import TokenText
+from tokentext.tokenizer import TokenizerBase
 
 from .errors import InvalidRequest, TokenizerMalformed, TokenizerUnavailable, TokenOutOfRange
 from .requests import utf8_size
@@ -118,23 +117,24 @@ def _build_hf(text: str) -> HFTokenizer:
         raise TokenizerMalformed(f"tokenizer JSON does not load: {e}") from e
 
 
-class ServedTokenizer:
-    """A worker's tokenizer rebuilt from its published blob: `encode`, `decode` and `piece`
-    give exactly what ``model.tokenizer.Tokenizer`` gives on the worker.
+class ServedTokenizer(TokenizerBase):
+    """A worker's tokenizer rebuilt from its published blob: `encode`, `decode`, `piece` and
+    `pieces` are those of ``model.tokenizer.Tokenizer`` on the worker
+    (`tokentext.tokenizer.TokenizerBase`), so they give exactly its ids and text.
 
-    Thread-safe: `encode` calls are serialized, since special-token parsing is a setting of
-    the underlying `tokenizers` object rather than an argument of its ``encode``.
-    Get one with `from_blob` (or a client's ``tokenizer(model)``).
+    A bad id raises TokenOutOfRange (outside the vocabulary) or InvalidRequest (not an
+    integer). Get one with `from_blob` (or a client's ``tokenizer(model)``).
     """
+
+    OUT_OF_RANGE_ERROR = TokenOutOfRange
+    NOT_INTEGER_ERROR = InvalidRequest
 
     def __init__(self, hf: HFTokenizer, fields: dict[str, Any]) -> None:
         """Wraps a loaded `tokenizers` object and the checked fields of its blob."""
-        self._hf = hf
+        super().__init__(hf, vocab_size=fields["vocab_size"], add_bos=fields["add_bos"],
+                         bos_id=fields["bos_id"], eos_id=fields["eos_id"],
+                         pad_id=fields["pad_id"], piece_bytes=fields["piece_bytes"])
         self._fields = fields
-        self._vocab_size: int = fields["vocab_size"]
-        self._add_bos: bool = fields["add_bos"]
-        self._text = TokenText.of(hf, self._vocab_size, fields["piece_bytes"])
-        self._lock = threading.Lock()
 
     @classmethod
     def from_blob(cls, blob: bytes) -> ServedTokenizer:
@@ -164,26 +164,6 @@ class ServedTokenizer:
         return cls(_build_hf(_inflate(data.get(_JSON_FIELD))), fields)
 
     @property
-    def vocab_size(self) -> int:
-        """Number of token ids (ids are ``0 .. vocab_size - 1``)."""
-        return self._vocab_size
-
-    @property
-    def bos_id(self) -> int | None:
-        """Beginning-of-sequence token id, or None when the vocabulary names none."""
-        return self._fields["bos_id"]
-
-    @property
-    def eos_id(self) -> int | None:
-        """End-of-sequence token id, or None when the vocabulary names none."""
-        return self._fields["eos_id"]
-
-    @property
-    def pad_id(self) -> int | None:
-        """Padding token id, or None when the vocabulary names none."""
-        return self._fields["pad_id"]
-
-    @property
     def bos_token(self) -> str | None:
         """Text of the BOS token (e.g. ``"<bos>"``), or None."""
         return self._fields["bos_token"]
@@ -199,11 +179,6 @@ class ServedTokenizer:
         return self._fields["pad_token"]
 
     @property
-    def add_bos(self) -> bool:
-        """Whether `encode` prepends BOS by default (``tokenizer.ggml.add_bos_token``)."""
-        return self._add_bos
-
-    @property
     def chat_template(self) -> str | None:
         """The chat template's Jinja source the worker renders messages with, or None."""
         return self._fields["chat_template"]
@@ -211,79 +186,13 @@ class ServedTokenizer:
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = True
     ) -> list[int]:
-        """Tokenizes `text` as the worker does (llama.cpp's ``tokenize``).
+        """`TokenizerBase.encode`, refusing text UTF-8 cannot encode.
 
-        Args:
-            text: the text, taken verbatim (no space is prepended).
-            add_bos: prepend the BOS id; None follows the model's default (`add_bos`).
-                Ignored when the vocabulary has no BOS token.
-            parse_special: match control tokens (``<start_of_turn>``, ``<bos>``, ...) written
-                in `text`; when False they are tokenized as plain text. User-defined tokens
-                are matched either way.
-
-        Returns:
-            The token ids.
         Raises:
-            InvalidRequest: `text` has a lone surrogate (UTF-8 cannot encode it).
+            InvalidRequest: `text` has a lone surrogate.
         """
         utf8_size("text", text)  # a lone surrogate: InvalidRequest, not a TypeError from Rust
-        with_bos = self._add_bos if add_bos is None else add_bos
-        with self._lock:
-            self._hf.encode_special_tokens = not parse_special
-            try:
-                return self._hf.encode(text, add_special_tokens=with_bos).ids
-            finally:
-                self._hf.encode_special_tokens = False
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of a token id sequence, as the worker decodes it (`tokentext.TokenText`).
-
-        Control tokens give their text; byte tokens are joined into UTF-8 characters (an
-        invalid byte sequence becomes U+FFFD); spaces are kept as they are.
-
-        Args:
-            ids: token ids (ints, numpy integers included).
-            skip_special_tokens: leave control tokens out.
-
-        Returns:
-            The text.
-
-        Raises:
-            TokenOutOfRange: an id is outside ``0 .. vocab_size - 1``.
-            InvalidRequest: an id is not an integer.
-        """
-        return self._text.decode(self._checked(ids), skip_special_tokens=skip_special_tokens)
-
-    def piece(self, token_id: int) -> str:
-        """Text of one token alone (``" Paris"``, ``"\\n\\n"``, ``"<end_of_turn>"``):
-        llama.cpp's ``token_to_piece(id, special=True)``; a lone byte token that is not a
-        whole UTF-8 character gives U+FFFD.
-
-        Raises:
-            TokenOutOfRange: `token_id` is outside ``0 .. vocab_size - 1``.
-            InvalidRequest: `token_id` is not an integer.
-        """
-        return self.decode([token_id])
-
-    def pieces(self, ids: Sequence[int]) -> list[str]:
-        """Each token's share of ``decode(ids)``, which they join to (`TokenText.pieces`): a
-        character spelled in several byte tokens is the piece of the one that completes it.
-
-        Raises:
-            TokenOutOfRange, InvalidRequest: as `decode`.
-        """
-        return self._text.pieces(self._checked(ids))
-
-    def _checked(self, ids: Sequence[int]) -> list[int]:
-        try:
-            ids = [operator.index(i) for i in ids]
-        except TypeError as e:
-            raise InvalidRequest(f"token ids must be integers: {e}") from e
-        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
-        if bad is not None:
-            raise TokenOutOfRange(
-                f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
-        return ids
+        return super().encode(text, add_bos=add_bos, parse_special=parse_special)
 
     def info(self, model_max_length: int | None = None) -> dict[str, Any]:
         """What GET /tokenizer_info answers: the fields lm-eval's ``RemoteTokenizer`` reads

@@ -307,9 +307,10 @@ class ModelCache(CommittedCache):
 
 
 class KVCacheModel:
-    """`make_cache` and `cache_from_state` of a model whose layers use `ModelCache`: a mixin
-    for an architecture's ``Model`` with ``args.layer_specs()``, ``args.context_length`` and
-    an ``architecture`` name (recorded in each state, checked on load)."""
+    """`make_cache` and `cache_from_state` of an architecture's ``Model``: a mixin for one
+    with ``args.layer_specs()``, ``args.context_length`` and an ``architecture`` name
+    (recorded in each state, checked on load). A model whose cache is another type (DeepSeek
+    V4's) overrides `empty_cache` and `cache_from_state`."""
 
     args: object
     architecture: str
@@ -322,10 +323,16 @@ class KVCacheModel:
         capacity_step: int | None = None,
     ) -> ModelCache:
         """An empty cache: `capacity` tokens reserved, `context_length` (default the model's)
-        at most, growing by `capacity_step` (default ``CAPACITY_STEP_TOKENS``)."""
-        ctx = context_length or self.args.context_length
-        return ModelCache(self.args.layer_specs(), ctx, kv_dtype, capacity, self.architecture,
-                          capacity_step or CAPACITY_STEP_TOKENS)
+        at most, growing by `capacity_step` (default the cache type's)."""
+        return self.empty_cache(kv_dtype, capacity, context_length or self.args.context_length,
+                                capacity_step)
+
+    def empty_cache(self, kv_dtype: mx.Dtype, capacity: int, context_length: int,
+                    capacity_step: int | None) -> ModelCache:
+        """`make_cache`'s cache, its context given (`capacity_step` default
+        ``CAPACITY_STEP_TOKENS``)."""
+        return ModelCache(self.args.layer_specs(), context_length, kv_dtype, capacity,
+                          self.architecture, capacity_step or CAPACITY_STEP_TOKENS)
 
     def cache_from_state(self, state: CacheState) -> ModelCache:
         """The cache `state` was saved from (`ModelCache.from_state`; raises CacheStateError)."""

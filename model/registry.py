@@ -168,23 +168,14 @@ class LoadedModel:
                       prompt_logprobs: int | None = None) -> Prefill:
         """Plan (or take `plan`) and allocate a cold prefill of `token_ids` on this model's
         serving limits and dtype (see `model.prefill.start_prefill`)."""
-        return start_prefill(
-            self.model,
-            token_ids,
-            vocab_size=self.vocab_size,
-            context_length=self.context_length,
-            chunk_tokens=chunk_tokens,
-            kv_dtype=self.dtype,
-            plan=plan,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return start_prefill(self.model, token_ids, chunk_tokens=chunk_tokens, plan=plan,
+                             prompt_logprobs=prompt_logprobs, **self._limits())
 
     def resume_prefill(self, token_ids: Sequence[int], plan: ChunkPlan,
                        state: CacheState) -> Prefill:
         """A prefill of `token_ids` on `plan` continuing from a complete checkpointed `state`
         at one of the plan's chunk ends (see `model.prefill.resume_prefill`; ValueError)."""
-        return resume_prefill(self.model, token_ids, plan, state, vocab_size=self.vocab_size,
-                              context_length=self.context_length, kv_dtype=self.dtype)
+        return resume_prefill(self.model, token_ids, plan, state, **self._limits())
 
     def session_prefill(
         self,
@@ -196,17 +187,13 @@ class LoadedModel:
     ) -> tuple[Prefill, SessionSlot]:
         """The prefill of a session's next prompt from `slot` (None: a new slot), on this
         model's serving limits and dtype (see `model.session.session_prefill`)."""
-        return session_prefill(
-            self.model,
-            slot,
-            token_ids,
-            vocab_size=self.vocab_size,
-            context_length=self.context_length,
-            chunk_tokens=chunk_tokens,
-            kv_dtype=self.dtype,
-            plan=plan,
-            capacity_step=capacity_step,
-        )
+        return session_prefill(self.model, slot, token_ids, chunk_tokens=chunk_tokens,
+                               plan=plan, capacity_step=capacity_step, **self._limits())
+
+    def _limits(self) -> dict[str, Any]:
+        """This model's serving limits and dtype, as the prefill functions take them."""
+        return {"vocab_size": self.vocab_size, "context_length": self.context_length,
+                "kv_dtype": self.dtype}
 
 
 def resolve(spec: str) -> tuple[str, Path, str | None]:

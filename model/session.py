@@ -311,6 +311,7 @@ def _session_plan(model: PrefillModel, n_tokens: int, cursor: int, chunk_tokens:
                        cursor=cursor)
 
 
+# start_prefill's keywords on purpose: a session turn is the same request plus a slot.
 def session_prefill(
     model: PrefillModel,
     slot: SessionSlot | None,

@@ -14,19 +14,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import (
-    CorruptJob,
-    InvalidRequest,
-    JobCanceled,
-    JobFailed,
-    JobNotFound,
-    JobTimeout,
-    PrefillQError,
-    PromptTooLong,
-    QueueFull,
-    TokenizerUnavailable,
-    UnknownModel,
-)
+from .. import errors
 
 
 class HTTPError(Exception):
@@ -38,23 +26,24 @@ class HTTPError(Exception):
         self.status, self.kind = status, kind
 
 
-class NoWorker(PrefillQError):
+class NoWorker(errors.PrefillQError):
     """The model is registered, but no live worker serves it now (HTTP 503)."""
 
 
 # The first entry an error is an instance of gives its status (subclasses first).
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (UnknownModel, 404),
-    (JobNotFound, 404),
-    (PromptTooLong, 413),
-    (InvalidRequest, 400),
-    (QueueFull, 429),
+    (errors.UnknownModel, 404),
+    (errors.JobNotFound, 404),
+    (errors.PromptTooLong, 413),
+    (errors.InvalidRequest, 400),
+    (errors.QueueFull, 429),
     (NoWorker, 503),
-    (TokenizerUnavailable, 503),
-    (JobFailed, 409),
-    (JobCanceled, 409),
-    (JobTimeout, 504),
-    (CorruptJob, 502),  # Redis, upstream of the gateway, holds a record that does not decode
+    (errors.TokenizerUnavailable, 503),
+    (errors.JobFailed, 409),
+    (errors.JobCanceled, 409),
+    (errors.JobTimeout, 504),
+    # Redis, upstream of the gateway, holds a record that does not decode
+    (errors.CorruptJob, 502),
 )
 
 # A failed job's ``error.type`` -> the status a blocking request answers with: the input
@@ -69,7 +58,7 @@ def status_of(error: Exception) -> int:
     return next((code for cls, code in _STATUS if isinstance(error, cls)), 500)
 
 
-def failed_job_status(error: JobFailed) -> int:
+def failed_job_status(error: errors.JobFailed) -> int:
     """The status of a blocking request whose job failed: 400/413 for input errors found
     by the worker, 500 for the rest (``ModelError``, ``WorkerLost``, ...)."""
     return _FAILED_JOB_STATUS.get(error.error_type, 500)
@@ -84,7 +73,7 @@ def error_response(status: int, kind: str, message: str,
     return JSONResponse(error_body(status, kind, message), status_code=status, headers=headers)
 
 
-async def on_prefillq_error(_: Request, error: PrefillQError) -> JSONResponse:
+async def on_prefillq_error(_: Request, error: errors.PrefillQError) -> JSONResponse:
     return error_response(status_of(error), type(error).__name__, str(error))
 
 
@@ -115,7 +104,7 @@ async def on_validation_error(_: Request, error: RequestValidationError) -> JSON
 
 
 HANDLERS = {
-    PrefillQError: on_prefillq_error,
+    errors.PrefillQError: on_prefillq_error,
     RedisError: on_redis_error,
     StarletteHTTPException: on_starlette_error,
     HTTPError: on_http_error,

@@ -20,6 +20,7 @@ from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
 from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
+from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
 from ._gemma3_graph import GraphForward
 
@@ -31,18 +32,8 @@ SLIDING_WINDOW_PATTERN = 6
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
+class ModelArgs(DecoderArgs):
     sliding_window: int
-    rope_theta: float
-    context_length: int
     rope_local_base_freq: float = LOCAL_ROPE_BASE
     sliding_window_pattern: int = SLIDING_WINDOW_PATTERN
 
@@ -51,19 +42,15 @@ class ModelArgs:
         """Read ``gemma3.*`` metadata. Raises GGUFError naming a missing key."""
         a = f"{ARCHITECTURE}."
         n_heads = int(gguf.require(a + "attention.head_count"))
-        hidden = int(gguf.require(a + "embedding_length"))
+        sizes = gguf_sizes(gguf)
         return cls(
-            hidden_size=hidden,
-            num_hidden_layers=int(gguf.require(a + "block_count")),
-            intermediate_size=int(gguf.require(a + "feed_forward_length")),
+            **sizes,
             num_attention_heads=n_heads,
             num_key_value_heads=int(gguf.metadata.get(a + "attention.head_count_kv", n_heads)),
-            head_dim=int(gguf.metadata.get(a + "attention.key_length", hidden // n_heads)),
-            vocab_size=len(gguf.require("tokenizer.ggml.tokens")),
-            rms_norm_eps=float(gguf.require(a + "attention.layer_norm_rms_epsilon")),
+            head_dim=int(gguf.metadata.get(a + "attention.key_length",
+                                           sizes["hidden_size"] // n_heads)),
             sliding_window=int(gguf.require(a + "attention.sliding_window")),
             rope_theta=float(gguf.metadata.get(a + "rope.freq_base", 1_000_000.0)),
-            context_length=int(gguf.require(a + "context_length")),
         )
 
     def is_sliding(self, layer: int) -> bool:

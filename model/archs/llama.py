@@ -18,6 +18,7 @@ from ..gguf.reader import GGUFError, GGUFFile
 from ..gguf.weights import flat_block_name, load_gguf_weights, unused_tensors
 from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
+from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
 
 ARCHITECTURE = "llama"
@@ -29,18 +30,8 @@ ROPE_FREQS = "rope_freqs.weight"
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(DecoderArgs):
     architecture: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    context_length: int
     rope_traditional: bool
     rope_scale: float = 1.0  # positions are multiplied by it (linear scaling: 1 / factor)
     rope_freqs: bool = False  # the GGUF has Llama 3's per-pair frequency divisors
@@ -65,22 +56,18 @@ class ModelArgs:
         if arch not in ARCHITECTURES:
             raise GGUFError(f"{gguf.path.name}: architecture {arch!r} is not one of "
                             f"{sorted(ARCHITECTURES)}")
-        a, has = f"{arch}.", gguf.has_tensor
-        n_layers = int(gguf.require(a + "block_count"))
+        has = gguf.has_tensor
+        sizes = gguf_sizes(gguf)
+        n_layers = sizes["num_hidden_layers"]
         n_heads, n_kv_heads, head_dim = _heads(gguf)
         window = int(gguf.arch_key("attention.sliding_window", 0) or 0)
         return cls(
+            **sizes,
             architecture=arch,
-            hidden_size=int(gguf.require(a + "embedding_length")),
-            num_hidden_layers=n_layers,
-            intermediate_size=int(gguf.require(a + "feed_forward_length")),
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv_heads,
             head_dim=head_dim,
-            vocab_size=len(gguf.require("tokenizer.ggml.tokens")),
-            rms_norm_eps=float(gguf.require(a + "attention.layer_norm_rms_epsilon")),
             rope_theta=float(gguf.arch_key("rope.freq_base", 10_000.0)),  # llama.cpp's default
-            context_length=int(gguf.require(a + "context_length")),
             rope_traditional=arch not in NEOX_ARCHITECTURES,
             rope_scale=_rope_scale(gguf),
             rope_freqs=has(ROPE_FREQS),

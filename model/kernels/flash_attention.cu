@@ -23,6 +23,8 @@
 // from S's registers as the A operand (the m16n8k16 C layout equals its A layout).
 // Key blocks wholly outside the causal range or the sliding window are never loaded.
 
+// This prologue is per kernel, not in mma.cuh: it reads the template params (D, PAD,
+// BLOCK_N), in scope only in the kernel body that mx.fast.cuda_kernel wraps this source in.
 constexpr int BLOCK_M = 16 * WARPS;
 constexpr int ROW = D + PAD;                 // shared row stride, bf16 elements
 constexpr int N_TILES = BLOCK_N / 8;         // S tiles of 8 keys

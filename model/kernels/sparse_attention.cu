@@ -20,6 +20,8 @@
 // warp adds P V for its half of the dims (V is the K tile: K = V). Key tiles arrive by
 // cp.async into two buffers, the next while the current one is used.
 
+// This prologue is per kernel, not in mma.cuh: it reads the template params (D, PAD,
+// BLOCK_N), in scope only in the kernel body that mx.fast.cuda_kernel wraps this source in.
 constexpr int HEADS = 64;                    // heads per block (rows of the Q tile)
 constexpr int HALF = D / 2;                  // dims per warp in P V
 constexpr int ROW = D + PAD;                 // shared row stride, bf16 elements

@@ -7,13 +7,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from tokentext import TokenText
+from tokentext.tokenizer import TokenizerBase
 
 from .bpe import GPT2_PRE_TOKENIZERS, build_bpe
 from .chat import ChatTemplate, ChatTemplateError, ChatTemplateMissing
@@ -38,12 +37,15 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any]], BuiltTokenizer]] = {
 }
 
 
-class Tokenizer:
-    """A GGUF vocabulary's tokenizer: `encode` gives the ids llama.cpp's ``tokenize`` gives.
+class Tokenizer(TokenizerBase):
+    """A GGUF vocabulary's tokenizer: `encode` gives the ids llama.cpp's ``tokenize`` gives,
+    `decode` its text (`tokentext.tokenizer.TokenizerBase`, which clients share).
 
-    Thread-safe: `encode` calls are serialized, since special-token parsing is a setting of
-    the underlying `tokenizers` object rather than an argument of its ``encode``.
+    `decode`, `piece` and `pieces` raise TokenizerError for an id outside the vocabulary
+    (TypeError for one that is not an integer).
     """
+
+    OUT_OF_RANGE_ERROR = TokenizerError
 
     def __init__(
         self,
@@ -64,16 +66,10 @@ class Tokenizer:
         `chat_template` renders `apply_chat_template`'s messages (None: the model has no
         template). `pad_id` is only reported (`published`).
         """
-        self._hf = hf
-        self._bos_id = bos_id
-        self._eos_id = eos_id
-        self._add_bos = add_bos
-        self._vocab_size = vocab_size
+        super().__init__(hf, vocab_size=vocab_size, add_bos=add_bos, bos_id=bos_id,
+                         eos_id=eos_id, pad_id=pad_id, piece_bytes=piece_bytes)
         self._piece_bytes = piece_bytes
-        self._text = TokenText.of(hf, vocab_size, piece_bytes)
         self._chat_template = chat_template
-        self._pad_id = pad_id
-        self._lock = threading.Lock()
 
     @classmethod
     def from_gguf_metadata(
@@ -118,26 +114,6 @@ class Tokenizer:
             pad_id=_pad_id(metadata, built.vocab_size),
         )
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (ids are ``0 .. vocab_size - 1``)."""
-        return self._vocab_size
-
-    @property
-    def bos_id(self) -> int | None:
-        """Beginning-of-sequence token id, or None when the vocabulary names none."""
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        """End-of-sequence token id, or None when the vocabulary names none."""
-        return self._eos_id
-
-    @property
-    def pad_id(self) -> int | None:
-        """Padding token id (``tokenizer.ggml.padding_token_id``), or None."""
-        return self._pad_id
-
     def published(self) -> dict[str, Any]:
         """Everything a client needs to tokenize exactly like `encode`, `decode` and `piece`,
         as plain values (``jobs.tokenizer.pack_tokenizer`` packs them for Redis).
@@ -162,30 +138,6 @@ class Tokenizer:
             "piece_bytes": self._piece_bytes,
             "chat_template": None if self._chat_template is None else self._chat_template.source,
         }
-
-    def encode(
-        self, text: str, *, add_bos: bool | None = None, parse_special: bool = True
-    ) -> list[int]:
-        """Tokenizes `text` like llama.cpp's ``tokenize(text, add_bos, special=parse_special)``.
-
-        Args:
-            text: the text, taken verbatim (no space is prepended).
-            add_bos: prepend the BOS id; None follows ``tokenizer.ggml.add_bos_token``.
-                Ignored when the vocabulary has no BOS token.
-            parse_special: match control tokens (``<start_of_turn>``, ``<bos>``, ...) written
-                in `text`. When False they are tokenized as plain text. User-defined tokens
-                (newline and space runs, HTML tags) are matched either way, as in llama.cpp.
-
-        Returns:
-            The token ids.
-        """
-        with_bos = self._add_bos if add_bos is None else add_bos
-        with self._lock:
-            self._hf.encode_special_tokens = not parse_special
-            try:
-                return self._hf.encode(text, add_special_tokens=with_bos).ids
-            finally:
-                self._hf.encode_special_tokens = False
 
     @property
     def chat_template(self) -> ChatTemplate | None:
@@ -228,51 +180,6 @@ class Tokenizer:
         """
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_bos=False, parse_special=True)
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of a token id sequence, as llama.cpp's ``detokenize(ids, special=True)``
-        (`tokentext.TokenText.decode`).
-
-        Control tokens (BOS, EOS, ``<start_of_turn>``, ...) give their text; byte tokens are
-        joined into UTF-8 characters (an invalid byte sequence becomes U+FFFD). For ``"gpt2"``
-        vocabularies every normal token is mapped back from GPT-2's byte alphabet; spaces are
-        kept as they are (no clean-up of spaces before punctuation).
-
-        Args:
-            ids: token ids.
-            skip_special_tokens: leave control tokens out (llama.cpp's ``special=False``).
-
-        Returns:
-            The text. ``decode(encode(t, add_bos=False))`` gives `t` back, except that for
-            ``"llama"`` vocabularies a literal ``"▁"`` comes back as a space, and the space
-            llama.cpp prepends to each text fragment when ``tokenizer.ggml.add_space_prefix``
-            is on (Llama 2, Mistral; not Gemma 3) stays in the text.
-
-        Raises:
-            TokenizerError: an id is outside ``0 .. vocab_size - 1``.
-        """
-        ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self._vocab_size)
-            raise TokenizerError(f"token id {bad} is outside 0..{self._vocab_size - 1}")
-        return self._text.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def piece(self, token_id: int) -> str:
-        """Text of one token alone (``" Paris"``, ``"\\n\\n"``, ``"<end_of_turn>"``).
-
-        Matches llama.cpp's ``token_to_piece(id, special=True)``: control tokens give their
-        text; a lone byte token that is not a whole UTF-8 character gives U+FFFD.
-
-        Args:
-            token_id: a token id.
-
-        Returns:
-            The token's text.
-
-        Raises:
-            TokenizerError: `token_id` is outside ``0 .. vocab_size - 1``.
-        """
-        return self.decode([token_id])
 
 
 def _pad_id(metadata: Mapping[str, Any], vocab_size: int) -> int | None:

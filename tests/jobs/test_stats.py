@@ -125,30 +125,57 @@ def test_queues_workers_and_held_jobs_are_read_per_model(conn):
     assert (s.workers_alive, s.workers_dead) == (2, 1)
 
 
-def drive(plan, redis) -> tuple[stats.ClusterStats, list[list[tuple]]]:
-    """Run `plan` against `redis`, keeping each round trip's commands."""
-    sent, reads = [], next(plan)
-    while True:
-        sent.append(reads)
-        with redis.pipeline(transaction=False) as pipe:
-            for name, *args in reads:
-                getattr(pipe, name)(*args)
-            replies = pipe.execute()
-        try:
-            reads = plan.send(replies)
-        except StopIteration as done:
-            return done.value, sent
+class RoundTrips:
+    """A redis connection that keeps the commands of each pipeline it executes, as
+    ``(name, *args)``: what `read_cluster_stats_sync` sends, observed rather than re-driven."""
+
+    def __init__(self, redis):
+        self._redis, self.sent = redis, []
+
+    def pipeline(self, **options):
+        return RecordingPipeline(self._redis.pipeline(**options), self.sent)
+
+
+class RecordingPipeline:
+    def __init__(self, pipe, sent):
+        self._pipe, self._sent, self._queued = pipe, sent, []
+
+    def __enter__(self):
+        self._pipe.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._pipe.__exit__(*exc)
+
+    def __getattr__(self, name):
+        command = getattr(self._pipe, name)
+
+        def queue(*args):
+            self._queued.append((name, *args))
+            return command(*args)
+        return queue
+
+    def execute(self):
+        self._sent.append(self._queued)
+        self._queued = []
+        return self._pipe.execute()
+
+
+def read_with_round_trips(redis) -> tuple[stats.ClusterStats, list[list[tuple]]]:
+    """`read_cluster_stats_sync(redis)`, and the commands of each of its round trips."""
+    recorder = RoundTrips(redis)
+    return read_cluster_stats_sync(recorder), recorder.sent
 
 
 def test_the_read_is_two_round_trips_and_three_with_other_priorities(conn):
-    assert len(drive(read_plan(), conn)[1]) == 1  # nothing registered: the counters only
+    assert len(read_with_round_trips(conn)[1]) == 1  # nothing registered: the counters only
     register(conn, "w1", ["a"], alive=True)
     enqueue(conn, "j1", "a")
-    s, sent = drive(read_plan(), conn)
+    s, sent = read_with_round_trips(conn)
     assert len(sent) == 2 and s.queue_depth == {"a": 1}
     assert [len(r) for r in sent] == [3, 2 + 4]  # 2 per model, 4 per worker
     enqueue(conn, "j2", "a", priority=3)
-    s, sent = drive(read_plan(), conn)
+    s, sent = read_with_round_trips(conn)
     assert sent[2] == [("llen", rq_queue_key(keys.intake_queue("a", 3)))]
     assert s.queue_depth == {"a": 2}
 

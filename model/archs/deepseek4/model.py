@@ -19,6 +19,7 @@ from ...cache_state import CacheState
 from ...gguf.reader import GGUFFile
 from ...gguf.weights import load_gguf_weights
 from ...kernels import sparse_attention as fused
+from ...kv_cache import KVCacheModel
 from .cache import Deepseek4Cache, LayerCache
 from .compressor import Compressor
 from .indexer import Indexer
@@ -309,7 +310,7 @@ class Block(nn.Module):
         return self._hc(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), ids))
 
 
-class Model(nn.Module):
+class Model(nn.Module, KVCacheModel):
     """DeepSeek-V4. ``model(inputs, cache)`` runs one chunk and returns the final-normed
     hidden of its last position; ``model.logits(hidden)`` applies the (untied) head.
 
@@ -363,13 +364,9 @@ class Model(nn.Module):
         """``(B, hidden)`` -> ``(B, vocab)``."""
         return self.output(hidden)
 
-    def make_cache(
-        self,
-        kv_dtype: mx.Dtype = mx.float32,
-        capacity: int = 0,
-        context_length: int = 0,
-        capacity_step: int | None = None,
-    ) -> Deepseek4Cache:
+    def empty_cache(self, kv_dtype: mx.Dtype, capacity: int, context_length: int,
+                    capacity_step: int | None) -> Deepseek4Cache:
+        """`make_cache`'s cache (`Deepseek4Cache.for_model`)."""
         return Deepseek4Cache.for_model(self.args, kv_dtype, capacity, context_length,
                                         capacity_step)
 
