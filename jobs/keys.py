@@ -62,7 +62,7 @@ PRIORITIES = PREFIX + ":priorities:{model}"
 # name), and each worker's own queue (jobs routed to it).
 INTAKE_QUEUE = "prefill:{model}"
 PRIORITY_INTAKE_QUEUE = "prefill:{model}:p{priority}"
-STICKY_QUEUE = "prefill:w:{worker}"
+OWN_QUEUE = "prefill:w:{worker}"
 
 
 # One builder per key, as RQ names its keys: each call says which key it builds (a table).
@@ -156,5 +156,5 @@ def intake_queue(model: str, priority: int = 0) -> str:
     return PRIORITY_INTAKE_QUEUE.format(model=model, priority=priority)
 
 
-def sticky_queue(worker: str) -> str:
-    return STICKY_QUEUE.format(worker=worker)
+def own_queue(worker: str) -> str:
+    return OWN_QUEUE.format(worker=worker)

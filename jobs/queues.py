@@ -2,7 +2,7 @@
 
 A job enters through its model's intake queue (``keys.intake_queue``; one queue per priority
 that has ever been used, listed in ``keys.priorities``), or through one worker's own queue
-(``keys.sticky_queue``) when it is routed to that worker. Every RQ job here is the one
+(``keys.own_queue``) when it is routed to that worker. Every RQ job here is the one
 execution of `ADMIT_FUNCTION` that admits a prefillq job (its id the only argument): the
 worker starts the job, runs its first chunk, and runs the rest in its own loop.
 
@@ -97,9 +97,9 @@ def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
                  serializer=MsgpackSerializer, job_class=AdmissionJob)
 
 
-def sticky_queue(redis: Redis, worker: str) -> Queue:
+def own_queue(redis: Redis, worker: str) -> Queue:
     """The RQ queue of the jobs routed to `worker`, which it admits before intake."""
-    return Queue(keys.sticky_queue(worker), connection=redis, serializer=MsgpackSerializer,
+    return Queue(keys.own_queue(worker), connection=redis, serializer=MsgpackSerializer,
                  job_class=AdmissionJob)
 
 
@@ -120,7 +120,7 @@ def rq_queue_key(name: str) -> str:
 
 def new_queue_name(model: str, priority: int, worker: str | None) -> str:
     """The queue a new job enters: `model`'s intake at `priority`, or `worker`'s own queue."""
-    return keys.intake_queue(model, priority) if worker is None else keys.sticky_queue(worker)
+    return keys.intake_queue(model, priority) if worker is None else keys.own_queue(worker)
 
 
 def intake_depth(redis: Redis, model: str) -> int:
@@ -215,7 +215,7 @@ def move_to_intake(redis: Redis, worker: str) -> list[str]:
     """Hand every job routed to `worker` (its own queue) to its intake queue, then delete
     the queue: `worker` is stopping or dead, and routing is only a preference. Returns the
     job ids moved."""
-    own = sticky_queue(redis, worker)
+    own = own_queue(redis, worker)
     moved = [job_id_of(rq_id.decode()) for rq_id in redis.lrange(own.key, 0, -1)
              if _is_text(rq_id)]  # anything else is junk someone pushed: dropped below
     with redis.pipeline() as pipe:

@@ -111,7 +111,7 @@ class ClusterStats:
         submitted: jobs a `submit` created (in its MULTI; an idempotent resubmit returns
             the first job and counts nothing).
         finished, failed, canceled: jobs that reached that state, each once, counted by the
-            caller whose fenced script ended it (a worker's publish, checkpoint, fail or
+            caller whose fenced script ended it (a worker's publish, progress, fail or
             requeue, the reaper, or a client's cancel of a queued job); a fenced script ends
             nothing.
         tokens_prefilled: tokens run through a forward pass, never those reused from a
@@ -202,7 +202,7 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
         reads += [("smembers", keys.priorities(m)), ("llen", rq_queue_key(keys.intake_queue(m)))]
     for w in workers:
         reads += [("exists", keys.worker_heartbeat(w)), ("smembers", keys.worker_models(w)),
-                  ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.sticky_queue(w)))]
+                  ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.own_queue(w)))]
     replies = (yield reads) if reads else []
     per_model, per_worker = replies[:2 * len(models)], replies[2 * len(models):]
     depth = {m: per_model[2 * i + 1] for i, m in enumerate(models)}

@@ -21,7 +21,7 @@ from rq.worker import WorkerStatus
 from jobs.client import redacted
 from jobs.defaults import DEFAULT_MAX_ACTIVE
 from jobs.errors import JobRefused
-from jobs.queues import AdmissionJob, intake_queue, move_to_intake, refusal, sticky_queue
+from jobs.queues import AdmissionJob, intake_queue, move_to_intake, own_queue, refusal
 from jobs.serializer import MsgpackSerializer
 from model.registry import LoadedModel
 
@@ -118,15 +118,15 @@ class PrefillWorker(SimpleWorker):
         name = name or default_worker_name()
         self.models, self.settings = models, settings
         self.heartbeat_ttl_s = max(1, settings.heartbeat_ttl_s)
-        self.sticky = sticky_queue(connection, name)
+        self.own_queue = own_queue(connection, name)
         intake = [intake_queue(connection, m) for m in models]
-        super().__init__([self.sticky, *intake], connection=connection, name=name,
+        super().__init__([self.own_queue, *intake], connection=connection, name=name,
                          serializer=MsgpackSerializer)
         # its pops are recorded for the reaper, and junk ids among them dropped
         self.queue_class = TakingQueue.for_worker(name, connection)
         # (named apart from RQ's own `scheduler`, its scheduler of RQ jobs for later); the
         # priorities in use are re-read as often as the worker beats (a few per TTL)
-        self.prefill_scheduler = Scheduler(connection, list(models), self.sticky,
+        self.prefill_scheduler = Scheduler(connection, list(models), self.own_queue,
                                            max_active=settings.max_active,
                                            kv_budget_bytes=settings.kv_budget_bytes,
                                            refresh_s=self.heartbeat_ttl_s / 6)

@@ -91,4 +91,4 @@ def test_a_session_whose_holder_is_killed_continues_on_another_worker(server, wo
     assert (result.reuse, result.cached_tokens) == ("live", 200)
     top, _ = expected_top(tiny, follow_ids, 5)
     assert [t.id for t in result.top_k] == top
-    assert not client.redis.exists(keys.sticky_queue("w1"))
+    assert not client.redis.exists(keys.own_queue("w1"))

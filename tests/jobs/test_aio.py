@@ -32,7 +32,7 @@ from jobs import (
     UnknownModel,
     keys,
 )
-from jobs.queues import intake_queue, job_id_of, sticky_queue
+from jobs.queues import intake_queue, job_id_of, own_queue
 from jobs.serializer import unpackb
 from tests.worker.helpers import MODEL, assert_logits_match, ids
 from worker.redis_server import calls_since, command_calls
@@ -234,7 +234,7 @@ async def test_a_session_job_is_routed_to_its_holder_like_the_sync_ones(
     routed = await aclient.submit(tokens=follow, model=MODEL, top_k=3, session="chat")
     cold = await aclient.submit(tokens=ids(30, 9), model=MODEL, top_k=3, session="other")
     conn = connect()
-    assert queued(conn, sticky_queue(conn, "w1")) == [routed]
+    assert queued(conn, own_queue(conn, "w1")) == [routed]
     assert queued(conn, intake_queue(conn, MODEL)) == [cold]
     work(worker)
     result = await aclient.result(routed, timeout=0)

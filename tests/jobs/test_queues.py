@@ -16,7 +16,7 @@ from jobs.queues import (
     admission_description,
     intake_queue,
     new_admission,
-    sticky_queue,
+    own_queue,
 )
 from tests.worker.helpers import MODEL
 
@@ -92,7 +92,7 @@ def test_a_new_job_s_admission_also_records_its_priority(connect):
 
 def test_a_routed_job_s_admission_goes_to_its_worker_s_queue(connect):
     conn = connect()
-    queue = sticky_queue(conn, "w1")
+    queue = own_queue(conn, "w1")
     writes = new_admission(conn, "job3", MODEL, 0, worker="w1")
     ours = by_admission(conn, queue, writes)
     theirs = by_rq(conn, queue, "job3", writes.rq_job_id)

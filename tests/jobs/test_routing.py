@@ -4,7 +4,7 @@ worker stops or dies."""
 from __future__ import annotations
 
 from jobs import PrefillClient, keys
-from jobs.queues import intake_queue, job_id_of, move_to_intake, sticky_queue
+from jobs.queues import intake_queue, job_id_of, move_to_intake, own_queue
 from jobs.reaper import reap
 from jobs.serializer import packb
 
@@ -34,7 +34,7 @@ def test_a_session_job_goes_to_its_live_holders_own_queue(redis_conn):
     routed = client.submit(tokens=[1, 2, 3], model=MODEL, session="chat")
     other = client.submit(tokens=[1, 2, 3], model=MODEL, session="another")
     plain = client.submit(tokens=[1, 2, 3], model=MODEL)
-    assert queued(conn, sticky_queue(conn, "w1")) == [routed]
+    assert queued(conn, own_queue(conn, "w1")) == [routed]
     assert queued(conn, intake_queue(conn, MODEL)) == [other, plain]
 
 
@@ -60,5 +60,5 @@ def test_jobs_routed_to_a_worker_move_to_intake_when_it_stops_or_dies(redis_conn
     conn.delete(keys.worker_heartbeat("w1"))
     reap(conn)
     assert queued(conn, intake_queue(conn, MODEL)) == [stopping, dying]
-    assert not conn.exists(sticky_queue(conn, "w2").key)
+    assert not conn.exists(own_queue(conn, "w2").key)
     assert client.status(dying).state.value == "queued"

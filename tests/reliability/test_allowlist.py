@@ -22,7 +22,7 @@ from rq import Callback
 from rq.job import Job, JobStatus
 
 from jobs import JobState, PrefillClient
-from jobs.queues import ADMIT_FUNCTION, intake_queue, rq_queue_key, sticky_queue
+from jobs.queues import ADMIT_FUNCTION, intake_queue, own_queue, rq_queue_key
 from jobs.serializer import MsgpackSerializer, packb
 from tests.worker.helpers import CHUNK, MODEL, ids
 from worker.settings import WorkerSettings
@@ -92,7 +92,7 @@ def test_foreign_functions_are_refused_recorded_and_never_run(conn, worker, tmp_
         "builtins.eval": queue.enqueue_call(
             "builtins.eval", args=(f"__import__('pathlib').Path({str(mark)!r}).touch()",)).id,
         "subprocess.call": queue.enqueue_call("subprocess.call", args=(["touch", str(mark)],)).id,
-        "os.system (own queue)": sticky_queue(conn, "al1").enqueue_call(
+        "os.system (own queue)": own_queue(conn, "al1").enqueue_call(
             "os.system", args=(f"touch {mark}",)).id,
     }
     client = PrefillClient(conn)

@@ -22,7 +22,7 @@ from jobs import (
     UnknownModel,
     keys,
 )
-from jobs.queues import enqueue_admission, intake_queue, move_to_intake, rq_queue_key, sticky_queue
+from jobs.queues import enqueue_admission, intake_queue, move_to_intake, own_queue, rq_queue_key
 from jobs.reaper import reap
 from jobs.record import JobRecord
 from jobs.serializer import MsgpackSerializer, packb
@@ -30,7 +30,7 @@ from jobs.serializer import MsgpackSerializer, packb
 from .helpers import GOOD, MODEL, assert_good, assert_logits, submit_good, work
 
 INTAKE = rq_queue_key(keys.intake_queue(MODEL))
-STICKY = rq_queue_key(keys.sticky_queue("w1"))
+OWN = rq_queue_key(keys.own_queue("w1"))
 ADVANCE = "worker.tasks.advance_prefill"
 
 
@@ -126,8 +126,8 @@ def rq_hash(connection, fields: dict, queue: str = INTAKE) -> None:
 QUEUE_JUNK = {
     "an id of no RQ job in intake": lambda r: r.rpush(INTAKE, "no-such-job"),
     "a non-UTF-8 id in intake": lambda r: r.rpush(INTAKE, b"\xff\xfe\xfd"),
-    "an id of no RQ job in the own queue": lambda r: r.rpush(STICKY, "no-such-job"),
-    "a non-UTF-8 id in the own queue": lambda r: r.rpush(STICKY, b"\xff\xfe"),
+    "an id of no RQ job in the own queue": lambda r: r.rpush(OWN, "no-such-job"),
+    "a non-UTF-8 id in the own queue": lambda r: r.rpush(OWN, b"\xff\xfe"),
     "random bytes as ids": lambda r: r.rpush(INTAKE, b"\x00", b"\x80" * 9, "x" * 5000),
     "an RQ hash whose payload is not msgpack": lambda r: rq_hash(
         r, {"data": b"\xc1\xc1", "status": "queued"}),
@@ -158,7 +158,7 @@ def test_junk_in_the_queues_is_dropped_and_the_worker_carries_on(stack, tiny64, 
         work(worker)
     assert_good(client, good, tiny64)
     assert "unhandled exception" not in caplog.text  # RQ's "quitting" line
-    for queue in (INTAKE, STICKY):
+    for queue in (INTAKE, OWN):
         assert client.redis.llen(queue) == 0
         assert client.redis.llen(queue + ":intermediate") == 0
 
@@ -167,10 +167,10 @@ def test_a_stopping_worker_moves_its_own_queue_to_intake_past_junk_ids(stack, ti
     worker, client = stack()
     routed = submit_good(client)
     client.redis.delete(INTAKE)  # routed to w1 instead: its RQ job on w1's own queue
-    enqueue_admission(sticky_queue(client.redis, "w1"), routed)
-    client.redis.rpush(STICKY, b"\xff\xfe", "no-such-job")
+    enqueue_admission(own_queue(client.redis, "w1"), routed)
+    client.redis.rpush(OWN, b"\xff\xfe", "no-such-job")
     assert move_to_intake(client.redis, "w1") == [routed, "no-such"]
-    assert client.redis.llen(STICKY) == 0
+    assert client.redis.llen(OWN) == 0
     work(worker)
     assert_good(client, routed, tiny64)
 
@@ -230,14 +230,14 @@ def test_the_workers_dequeue_drops_junk_ids_and_forgets_their_pops(stack):
     worker, client = stack()
     routed = submit_good(client)
     client.redis.delete(INTAKE)
-    client.redis.rpush(STICKY, b"\xff", "no-such-job")
-    enqueue_admission(sticky_queue(client.redis, "w1"), routed)
-    job, queue = worker.queue_class.dequeue_any([worker.sticky], None, connection=client.redis,
+    client.redis.rpush(OWN, b"\xff", "no-such-job")
+    enqueue_admission(own_queue(client.redis, "w1"), routed)
+    job, queue = worker.queue_class.dequeue_any([worker.own_queue], None, connection=client.redis,
                                                 serializer=MsgpackSerializer)
-    assert job.args == [routed] and queue.name == keys.sticky_queue("w1")
+    assert job.args == [routed] and queue.name == keys.own_queue("w1")
     # the junk pops are dropped from the taking set: nothing for the reaper to hand back
     assert client.redis.smembers(keys.worker_taking("w1")) == {job.id.encode()}
-    assert worker.queue_class.dequeue_any([worker.sticky], None,
+    assert worker.queue_class.dequeue_any([worker.own_queue], None,
                                           connection=client.redis) is None
 
 

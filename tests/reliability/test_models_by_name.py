@@ -16,7 +16,7 @@ import redis
 from jobs import AsyncPrefillClient, JobFailed, JobState, PrefillClient, UnknownModel, keys
 from jobs.limits import Limits
 from jobs.protocol import submitted_record
-from jobs.queues import enqueue_admission, intake_queue, sticky_queue
+from jobs.queues import enqueue_admission, intake_queue, own_queue
 from tests.worker.helpers import CHUNK, MODEL, ids
 from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
@@ -117,7 +117,7 @@ def raw_job(conn, model: str, queue, tokens: list[int] | None = None) -> str:
 def test_a_raw_job_naming_a_path_or_url_fails_typed_and_nothing_is_opened(
         conn, worker, hostile_names, touched):
     client = PrefillClient(conn)
-    queues = [intake_queue(conn, MODEL), sticky_queue(conn, "mn1")]
+    queues = [intake_queue(conn, MODEL), own_queue(conn, "mn1")]
     raw = {name: raw_job(conn, name, queues[i % 2])
            for i, name in enumerate(hostile_names["names"])}
     good = client.submit(tokens=ids(40, 2), model=MODEL)
@@ -150,7 +150,7 @@ def test_a_job_routed_to_a_worker_without_its_model_goes_to_its_intake(conn, wor
                           name="mn2")
     other.register_models()
     # as a session's next job is routed to the worker that kept the session
-    job_id = raw_job(conn, "deepseek4-tiny", sticky_queue(conn, "mn1"), list(range(2, 40)))
+    job_id = raw_job(conn, "deepseek4-tiny", own_queue(conn, "mn1"), list(range(2, 40)))
     worker.work(burst=True)
     client = PrefillClient(conn)
     assert client.status(job_id).state == JobState.QUEUED

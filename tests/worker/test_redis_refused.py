@@ -111,7 +111,7 @@ def test_a_refused_hand_back_is_retried_until_it_lands(server, tiny):
     status = client.status(job)
     assert (status.state, status.cursor, status.attempts) == (JobState.QUEUED, 0, 1)
 
-    worker.sticky.delete(delete_jobs=True)  # the continuation of the handed-back cache
+    worker.own_queue.delete(delete_jobs=True)  # the continuation of the handed-back cache
     worker.work(burst=True)
     assert client.status(job).attempts == 2
     assert_logits_match(client.result(job, timeout=0), tiny, token_ids)
@@ -202,14 +202,14 @@ def test_a_refused_submit_raises_out_of_memory_and_writes_nothing(server, tiny):
                            WorkerSettings(chunk_tokens=16), name="w1")
     worker.register_models()
     client = PrefillClient(redis.Redis.from_url(server.url))
-    before = (job_keys(admin), len(worker.sticky), admin.hgetall(keys.STATS))
+    before = (job_keys(admin), len(worker.own_queue), admin.hgetall(keys.STATS))
     admin.config_set("maxmemory", 1)
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.submit(tokens=ids(20, 4), model=MODEL)
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.submit(tokens=ids(20, 4), model=MODEL, idempotency_key="k")
     admin.config_set("maxmemory", 0)
-    assert (job_keys(admin), len(worker.sticky), admin.hgetall(keys.STATS)) == before
+    assert (job_keys(admin), len(worker.own_queue), admin.hgetall(keys.STATS)) == before
     assert intake_queue(admin, MODEL).count == 0
     assert admin.exists(keys.idempotency("k")) == 0
 

@@ -10,7 +10,7 @@ never turns a reuse into a reset here.
 from __future__ import annotations
 
 from jobs import JobState, keys
-from jobs.queues import job_id_of, sticky_queue
+from jobs.queues import job_id_of, own_queue
 
 from .helpers import MODEL, assert_logits_match, ids
 
@@ -113,7 +113,7 @@ def test_the_next_turn_goes_to_the_worker_that_keeps_the_slot(setup, tiny):
     assert client.session_holder("chat") == "w1"
     follow_ids = HISTORY + ids(30, 16)[1:]
     job = client.submit(tokens=follow_ids, model=MODEL, top_k=3, session="chat")
-    assert [job_id_of(j) for j in sticky_queue(client.redis, "w1").get_job_ids()] == [job]
+    assert [job_id_of(j) for j in own_queue(client.redis, "w1").get_job_ids()] == [job]
     other.work(burst=True, logging_level="WARNING")  # an idle worker leaves it alone
     assert client.status(job).state == JobState.QUEUED
     holder.work(burst=True, logging_level="WARNING")
