@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from jobs.limits import Limits
 from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from worker.cli import build_parser
+from worker.cli.work import CLI_SETTINGS, settings_of
+from worker.settings import WorkerSettings
 
 
 def parse(*args: str):
     return build_parser().parse_args(["worker", *args])
+
+
+def test_the_flags_defaults_are_the_settings_defaults():
+    assert settings_of(parse()) == WorkerSettings()
+
+
+def test_each_setting_comes_from_its_flag():
+    args = parse("--chunk-tokens", "64", "--max-active", "3", "--kv-budget-bytes", "1000",
+                 "--result-ttl", "11", "--logits-ttl", "12", "--heartbeat-ttl", "13",
+                 "--session-slots", "0", "--session-bytes", "5", "--checkpoint-every", "none",
+                 "--checkpoint-store", "file:///tmp/ckpt", "--checkpoint-max-bytes", "7",
+                 "--max-top-k", "9")
+    settings = settings_of(args)
+    assert settings == WorkerSettings(
+        chunk_tokens=64, max_active=3, kv_budget_bytes=1000, result_ttl_s=11,
+        logits_ttl_s=12, heartbeat_ttl_s=13, session_slots=0, session_bytes=5,
+        checkpoint_every="none", checkpoint_store="file:///tmp/ckpt", checkpoint_max_bytes=7,
+        limits=Limits(max_top_k=9))
+    settable = {f.name for f in dataclasses.fields(WorkerSettings)}
+    assert set(CLI_SETTINGS) == settable - {"limits", "publish_tokenizers"}
 
 
 def test_defaults():

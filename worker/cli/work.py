@@ -22,6 +22,10 @@ from jobs.limits import Limits
 from ..checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
 from .loading import load_models
 
+# the `WorkerSettings` fields that are ``prefillq worker`` flags of the same dest
+CLI_SETTINGS = ("chunk_tokens", "max_active", "kv_budget_bytes", "result_ttl_s", "logits_ttl_s",
+                "heartbeat_ttl_s", "session_slots", "session_bytes", "checkpoint_store",
+                "checkpoint_every", "checkpoint_max_bytes")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -38,23 +42,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def settings_of(args: argparse.Namespace):
-    """The `worker.settings.WorkerSettings` ``prefillq worker``'s flags ask for."""
+    """The `worker.settings.WorkerSettings` ``prefillq worker``'s flags ask for: each field
+    from the flag of its name (``--result-ttl`` is ``result_ttl_s``), ``limits`` from
+    `limits_of`; a worker run from the CLI publishes its tokenizers."""
     from worker.settings import WorkerSettings
 
-    return WorkerSettings(
-        chunk_tokens=args.chunk_tokens,
-        max_active=args.max_active,
-        kv_budget_bytes=args.kv_budget_bytes,
-        result_ttl_s=args.result_ttl,
-        logits_ttl_s=args.logits_ttl,
-        heartbeat_ttl_s=args.heartbeat_ttl,
-        session_slots=args.session_slots,
-        session_bytes=args.session_bytes,
-        checkpoint_store=args.checkpoint_store,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_max_bytes=args.checkpoint_max_bytes,
-        limits=limits_of(args),
-    )
+    return WorkerSettings(**{name: getattr(args, name) for name in CLI_SETTINGS},
+                          limits=limits_of(args))
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
@@ -127,11 +121,14 @@ def add_worker(sub) -> None:
                         default=DEFAULT_MAX_PROMPT_LOGPROBS,
                         help="fail jobs asking for more prompt_logprobs (default: %(default)s)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    worker.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
+    worker.add_argument("--result-ttl", dest="result_ttl_s", type=int,
+                        default=DEFAULT_RESULT_TTL_S,
                         help="seconds a terminal job's record lives (default: %(default)s)")
-    worker.add_argument("--logits-ttl", type=int, default=DEFAULT_LOGITS_TTL_S,
+    worker.add_argument("--logits-ttl", dest="logits_ttl_s", type=int,
+                        default=DEFAULT_LOGITS_TTL_S,
                         help="seconds full logits live (default: %(default)s)")
-    worker.add_argument("--heartbeat-ttl", type=positive_int, default=DEFAULT_HEARTBEAT_TTL_S,
+    worker.add_argument("--heartbeat-ttl", dest="heartbeat_ttl_s", type=positive_int,
+                        default=DEFAULT_HEARTBEAT_TTL_S,
                         help="seconds without a heartbeat before a worker counts as dead "
                              "(default: %(default)s)")
     worker.set_defaults(func=cmd_worker)
