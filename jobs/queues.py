@@ -1,16 +1,7 @@
 """The RQ queue layout: intake queues per model and priority, and each worker's own queue.
 
-A job enters through its model's intake queue (``keys.intake_queue``; one queue per priority
-that has ever been used, listed in ``keys.priorities``), or through one worker's own queue
-(``keys.own_queue``) when it is routed to that worker. Every RQ job here is the one
-execution of `ADMIT_FUNCTION` that admits a prefillq job (its id the only argument): the
-worker starts the job, runs its first chunk, and runs the rest in its own loop.
-
-Anyone who can write Redis can put an RQ job on these queues, and RQ would import and call
-whatever function, callback or webhook URL that job names. `AdmissionJob`, the job class of
-every queue here and of the worker, runs only `ADMIT_FUNCTION` with one job id (`refusal`
-says why anything else is refused) and never RQ's callbacks or webhooks, which prefillq
-does not use.
+Every RQ job on them is one admission, an execution of `ADMIT_FUNCTION` with a prefillq
+job's id; `AdmissionJob` refuses any other (docs/operations.md, Security).
 """
 
 from __future__ import annotations
@@ -65,7 +56,8 @@ def refusal(job: Job) -> str | None:
 class AdmissionJob(Job):
     """RQ's `Job` as prefillq's queues and workers use it: `func` is `ADMIT_FUNCTION` or
     raises, and RQ's callbacks and webhooks are never run or sent, whatever the job's hash
-    names (prefillq sets none)."""
+    names (prefillq sets none). Anyone who can write Redis can put an RQ job on these queues,
+    and RQ would otherwise import and call whatever function, callback or webhook it names."""
 
     @property
     def func(self):
@@ -92,7 +84,8 @@ class AdmissionJob(Job):
 
 
 def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
-    """The RQ intake queue of `model` at `priority` (msgpack serializer)."""
+    """The RQ intake queue of `model` at `priority` (msgpack serializer); a model has one per
+    priority ever used, listed in ``keys.priorities(model)``."""
     return Queue(keys.intake_queue(model, priority), connection=redis,
                  serializer=MsgpackSerializer, job_class=AdmissionJob)
 

@@ -1,15 +1,8 @@
 """Validation of a submitted prefill, shared by every client and by the worker.
 
-`SubmitRequest` holds a submit's fields, defined once; `SubmitRequest.checked` is their one
-validation. `new_record` builds a new job's record through it; `check_record` runs it on a
-record the worker decoded, against the worker's own `Limits`, so a job a foreign or older
-client enqueued fails with the same typed errors; `check_token_ids` checks token ids against
-a model, at submit (for ``tokens=``) and in the worker (after tokenizing a text prompt).
 Every error is an `InvalidRequest` (or a subclass) whose message starts with the offending
-field's name; nothing else escapes, whatever the caller passes.
-
-Integers are real ``int``s (numpy integer scalars too, through ``__index__``): a bool, a
-float or a numeric string is refused, never rounded or parsed.
+field's name. Integers are real ``int``s (numpy integer scalars too, through ``__index__``):
+a bool, a float or a numeric string is refused, never rounded or parsed.
 """
 
 from __future__ import annotations
@@ -53,6 +46,8 @@ class ModelInfo:
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, context_length: int) -> None:
     """Raise unless `ids` is a non-empty prompt of in-vocabulary ids that fits the context.
+
+    Run at submit (for ``tokens=``) and in the worker (after tokenizing a text prompt).
 
     Args:
         context_length: the most tokens allowed (`Limits.prompt_tokens` of the model's).
@@ -335,7 +330,9 @@ def new_record(job_id: str, *, enqueued_at: float, limits: Limits = DEFAULT_LIMI
 
 
 def check_record(record: JobRecord, limits: Limits = DEFAULT_LIMITS) -> None:
-    """`SubmitRequest.checked` on a decoded record (the worker's, before it tokenizes).
+    """`SubmitRequest.checked` on a decoded record (the worker's, before it tokenizes),
+    against the worker's own `limits`, so a job a foreign or older client enqueued fails
+    with the same typed errors as a submit.
 
     Raises:
         InvalidRequest, PromptTooLarge: as `SubmitRequest.checked`.

@@ -1,15 +1,8 @@
 """The worker's Redis connection: ride out outages while serving, give up on shutdown.
 
-A serving worker retries every command that fails on the connection (capped exponential
-backoff, forever), so it survives a Redis restart with its KV caches intact. Once it is
-asked to stop (`give_up_after`), a command still failing at the deadline raises instead, so
-a worker whose Redis is gone can exit. The retry hook is redis-py's `redis.retry.Retry`
-(https://redis.readthedocs.io/en/stable/retry.html).
-
-Writes that Redis refuses (``maxmemory`` under ``noeviction``, a value over its size limit)
-are not connection errors: `refused_write` recognizes them so callers can fail or retry the
-one job instead of the worker, and `until_accepted` retries a worker's start-up writes
-through the same backoff and deadline as an outage.
+A serving worker retries every command that fails on the connection, forever, so it
+survives a Redis restart with its KV caches intact; writes Redis refuses (``maxmemory``, a
+value too large) are not connection errors (`refused_write`).
 """
 
 from __future__ import annotations
@@ -81,7 +74,8 @@ class Deadline:
 
 class ShutdownRetry(Retry):
     """`Retry` with capped exponential backoff that retries forever until its deadline is
-    set, then until the deadline only.
+    set, then until the deadline only. redis-py calls it for every command
+    (https://redis.readthedocs.io/en/stable/retry.html).
 
     Args:
         deadline: shared with other retries (default: a new one, never set).
@@ -163,7 +157,8 @@ def _deadline(connection) -> Deadline | None:
 
 
 def give_up_after(connection, seconds: float) -> None:
-    """Let `connection`'s commands fail once Redis has been unreachable `seconds` from now.
+    """Let `connection`'s commands fail once Redis has been unreachable `seconds` from now,
+    so a worker asked to stop whose Redis is gone can exit.
 
     A no-op for connections without a `ShutdownRetry` (they do not retry forever).
     """
@@ -182,7 +177,8 @@ def gave_up(connection) -> float | None:
 
 def refused_write(error: BaseException) -> bool:
     """Whether `error` is Redis refusing a write it received: out of memory under
-    ``maxmemory`` (also inside a script or a MULTI) or a value over its size limit."""
+    ``maxmemory`` (also inside a script or a MULTI) or a value over its size limit. Such an
+    error fails or retries the one job, not the worker."""
     if isinstance(error, OutOfMemoryError):
         return True
     if not isinstance(error, ResponseError):

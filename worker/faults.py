@@ -1,31 +1,6 @@
 """Fault injection for the reliability tests: a plan read once, when a worker is built.
 
-``PREFILLQ_FAULTS`` holds the plan: rules separated by ``;``, each ``kind[:key=value]...``.
-
-- ``raise_in_chunk``: the forward pass of a matching job raises `InjectedFault` after the
-  model ran, so the cache holds the chunk's rows uncommitted, as a real error inside the
-  model leaves it (`model.chunk.launch_chunk` poisons it). ``chunk=N`` picks the Nth
-  forward pass of the attempt (default 1).
-- ``pause_before_publish``: once a matching job's last chunk ran and its logits are
-  computed, the worker logs ``fault: job <id> paused before_publish`` and sleeps
-  ``seconds=S`` (default 600) before the publish script, its heartbeat thread beating on,
-  so a test can SIGKILL it exactly there; with ``until=PATH`` (no ``:`` or ``;`` in it) it
-  goes on once that file exists (at most S seconds), so a test can change the world first.
-- ``pause_before_start``: the same, once the worker dequeued a job and prepared it (its
-  tokens, plan and cache), before the script that takes it (``queued -> prefilling``); its
-  attempt is the one about to begin.
-
-Selectors, for every kind; each one given must match: ``job=<id>``, ``tokens=N`` (the
-prompt's length) and ``attempts=1,2`` (the job's attempt numbers it fires on; default
-every attempt). Attempts are the job's own (Redis counts them), so a rule fires the same
-way on whichever worker runs the attempt.
-
-Example: ``PREFILLQ_FAULTS="raise_in_chunk:tokens=40:chunk=2:attempts=1,2"`` fails the
-second chunk of a 40-token job's first two attempts; the third runs clean.
-
-Unset (production), `FaultPlan.from_env` returns None: no model is wrapped and the cost is
-an ``is None`` test or two per job start and one per publish. Set, the worker logs a warning naming
-the plan when it is built.
+`FaultPlan` documents the ``$PREFILLQ_FAULTS`` format; unset (production), there is no plan.
 """
 
 from __future__ import annotations
@@ -52,7 +27,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class FaultRule:
-    """One rule of a `FaultPlan` (the module docstring has the keys)."""
+    """One rule of a `FaultPlan` (its docstring has the kinds and keys)."""
 
     kind: str
     job: str | None = None
@@ -117,7 +92,37 @@ class FaultyModel:
 
 
 class FaultPlan:
-    """The rules a worker runs with (tests only; see the module docstring)."""
+    """The rules a worker runs with, for tests only.
+
+    ``$PREFILLQ_FAULTS`` holds the plan: rules separated by ``;``, each
+    ``kind[:key=value]...``. The kinds:
+
+    - ``raise_in_chunk``: the forward pass of a matching job raises `InjectedFault` after the
+      model ran, so the cache holds the chunk's rows uncommitted, as a real error inside the
+      model leaves it (`model.chunk.launch_chunk` poisons it). ``chunk=N`` picks the Nth
+      forward pass of the attempt (default 1).
+    - ``pause_before_publish``: once a matching job's last chunk ran and its logits are
+      computed, the worker logs ``fault: job <id> paused before_publish`` and sleeps
+      ``seconds=S`` (default 600) before the publish script, its heartbeat thread beating
+      on, so a test can SIGKILL it exactly there; with ``until=PATH`` (no ``:`` or ``;`` in
+      it) it goes on once that file exists (at most S seconds), so a test can change the
+      world first.
+    - ``pause_before_start``: the same, once the worker dequeued a job and prepared it (its
+      tokens, plan and cache), before the script that takes it (``queued -> prefilling``);
+      its attempt is the one about to begin.
+
+    Selectors, for every kind; each one given must match: ``job=<id>``, ``tokens=N`` (the
+    prompt's length) and ``attempts=1,2`` (the job's attempt numbers it fires on; default
+    every attempt). Attempts are the job's own (Redis counts them), so a rule fires the same
+    way on whichever worker runs the attempt.
+
+    Example: ``PREFILLQ_FAULTS="raise_in_chunk:tokens=40:chunk=2:attempts=1,2"`` fails the
+    second chunk of a 40-token job's first two attempts; the third runs clean.
+
+    Unset (production), `from_env` returns None: no model is wrapped and the cost is an
+    ``is None`` test or two per job start and one per publish. Set, the worker logs a
+    warning naming the plan when it is built.
+    """
 
     def __init__(self, rules: list[FaultRule]):
         self.rules = rules

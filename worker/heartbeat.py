@@ -1,16 +1,7 @@
 """Liveness: model registration, the heartbeat thread and the periodic reap.
 
-A worker advertises its models (vocab, context) under ``keys.MODELS`` so clients can
-validate submits, publishes each model's tokenizer under ``keys.tokenizer(sha256)`` once
-(for clients that tokenize, `jobs.tokenizer`), records the names it serves under
-``keys.worker_models(name)`` (live workers per model, `jobs.stats`), and keeps
-``keys.worker_heartbeat(name)`` alive from a thread that does nothing else (a SET every
-ttl/6, so neither a long chunk nor a slow Redis's round trips of the rest delay it). A second
-thread, as often, registers again (restoring a Redis that lost its data), retries the writes
-Redis refused (``on_beat``) and runs the reaper (`jobs.reaper.reap`: two round trips when no
-worker died, SMEMBERS and an EXISTS per registered worker), which requeues the jobs of
-workers whose heartbeat expired and moves the jobs routed to them to intake: a job waits on
-a dead worker at most one heartbeat TTL and one interval.
+A worker's heartbeat key stays alive while it serves; when it expires, any worker's reap
+(`jobs.reaper`) puts the dead worker's jobs back on intake.
 """
 
 from __future__ import annotations
@@ -61,8 +52,10 @@ class Heartbeat:
         self._threads: list[threading.Thread] = []
 
     def register_models(self) -> None:
-        """Advertise the models (vocab, context) so clients can validate submits, and which
-        this worker serves; publish their tokenizers where none is yet; beat."""
+        """Advertise the models (vocab, context) under ``keys.MODELS`` so clients can
+        validate submits, and which this worker serves under ``keys.worker_models(name)``
+        (live workers per model, `jobs.stats`); publish their tokenizers where none is yet
+        (for clients that tokenize, `jobs.tokenizer`); beat."""
         for name, loaded in self.models.items():
             info = {
                 "vocab_size": loaded.vocab_size,
@@ -84,9 +77,9 @@ class Heartbeat:
         """Write `loaded`'s tokenizer blob under ``keys.tokenizer(sha256)`` unless it is there.
 
         EXISTS first: a re-register (every beat, after a Redis restart) sends the ~5 MB blob
-        only when the key is gone. The blob is built on the first need (~0.9 s for Gemma 3)
-        and kept. A write Redis refuses (maxmemory) is logged and retried next beat: serving
-        jobs does not need it.
+        only when the key is gone. The blob is built on the first need (a slow step,
+        docs/benchmarks.md) and kept. A write Redis refuses (maxmemory) is logged and
+        retried next beat: serving jobs does not need it.
 
         Returns:
             Whether this call wrote the key.
@@ -119,7 +112,12 @@ class Heartbeat:
                 raise
 
     def start(self) -> None:
-        """Start the beat thread and the maintenance thread (daemons)."""
+        """Start the beat thread and the maintenance thread (daemons), each waking every
+        ttl/6. The beat thread only SETs the heartbeat, so neither a long chunk nor a slow
+        Redis's other round trips delay it. The maintenance thread registers again
+        (restoring a Redis that lost its data), calls `on_beat` and reaps (two round trips
+        when no worker died): a job waits on a dead worker at most one TTL and one interval.
+        """
         self._stop.clear()
         self._threads = [
             threading.Thread(target=self._beat_loop, name="prefillq-heartbeat", daemon=True),

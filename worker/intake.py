@@ -1,16 +1,7 @@
 """What a worker reads from Redis to start a job, made safe against whatever is written there.
 
-Anyone who can write Redis can push junk: ids that are not UTF-8 or name no RQ job onto the
-intake and own queues, RQ job hashes that do not decode, prefillq records with truncated
-msgpack or fields of the wrong type. None of it may stop the worker or touch another job:
-
-- `fetch_or_drop`, which the worker's RQ ``queue_class`` (`worker.taking.TakingQueue`)
-  calls on every popped id, drops one that is not UTF-8 or whose RQ hash does not decode
-  and logs it, and the queue pops the next (RQ's own loop lets either exception end the
-  worker).
-- `read_record` decodes a job's record; one that does not decode fails at once with
-  ``CorruptJob`` (`jobs.scripts.refuse`), its undecodable fields dropped so that its status
-  reads again.
+Anyone who can write Redis can push junk onto the queues or into a job's record; it is
+dropped or fails that one job, never the worker (docs/architecture.md, Garbage in Redis).
 """
 
 from __future__ import annotations
@@ -38,7 +29,9 @@ REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 def fetch_or_drop(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):
     """The RQ job `raw_id` popped from `queue_key`, or None (dropped, logged) when it is
-    junk: not UTF-8, no such RQ job, or a hash that does not decode."""
+    junk: not UTF-8, no such RQ job, or a hash that does not decode. The worker's RQ
+    ``queue_class`` (`worker.taking.TakingQueue`) calls it on every popped id and pops the
+    next on None: RQ's own loop would let either exception end the worker."""
     try:
         job_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
         return job_class.fetch(job_id, connection=connection, serializer=serializer)
@@ -83,8 +76,8 @@ def read_record(connection, scripts: Scripts, job_id: str, result_ttl_s: int
 
 def refuse(connection, scripts: Scripts, job_id: str, error: CorruptJob,
            result_ttl_s: int) -> str:
-    """Fail `job_id` with `error` (``REFUSE``), dropping ``error.fields``; returns the
-    script's outcome (``failed``, ``unchanged`` or ``missing``)."""
+    """Fail `job_id` with `error` (``REFUSE``), dropping ``error.fields`` so that its status
+    reads again; returns the script's outcome (``failed``, ``unchanged`` or ``missing``)."""
     outcome = scripts.run(transitions.refuse(
         job_id, now=now(), ttl_s=result_ttl_s, error_type=type(error).__name__,
         message=str(error), drop_fields=error.fields)).decode()

@@ -1,17 +1,7 @@
 """One Redis round trip per chunk: the job's fenced transition plus what the loop needs next.
 
-After each chunk the worker sends, in one non-transactional pipeline: the job's fenced
-checkpoint (or publish) script, the cancel flag of every other resident job, the length
-of each queue it would admit from, and the chunk's stats (`jobs.stats.record_chunk`, on
-``keys.STATS``, another Redis Cluster slot than the job's). The script is atomic on its own;
-the commands beside it need no atomicity (a flag or a queue length a moment old only delays
-a decision by one chunk; the chunk was computed whatever the script answers).
-
-Scripts go out as plain EVALSHA: redis-py's pipelines otherwise send ``SCRIPT EXISTS`` in a
-round trip of their own before every execution (`redis.client.Pipeline.load_scripts`). A
-server that lost its script cache (a restart) answers ``NOSCRIPT``; the script is loaded and
-the pipeline is sent again without the stats, which landed the first time. A stats write
-Redis refuses (maxmemory) is dropped: the counters are best effort, the job's write is not.
+After each chunk the worker sends the job's checkpoint (or publish) script, the other
+resident jobs' cancel flags, the admission queues' lengths and the chunk's stats together.
 """
 
 from __future__ import annotations
@@ -54,7 +44,17 @@ class Reply:
 def run_script(connection: Redis, scripts: Scripts, call: Call,
                probe: Probe | None = None) -> Reply:
     """Run `call` (registered in `scripts`), `probe`'s reads and its chunk's stats in one
-    round trip.
+    round trip: a non-transactional pipeline, since the stats (`jobs.stats.record_chunk`,
+    on ``keys.STATS``) are in another Redis Cluster slot than the job. The script is atomic
+    on its own; the rest needs no atomicity (a flag or a queue length a moment old only
+    delays a decision by one chunk; the chunk was computed whatever the script answers).
+
+    The script goes out as plain EVALSHA: redis-py's pipelines otherwise send ``SCRIPT
+    EXISTS`` in a round trip of its own before every execution
+    (`redis.client.Pipeline.load_scripts`). On ``NOSCRIPT`` (a server that lost its script
+    cache) the script is loaded and the pipeline sent again without the stats, which landed
+    the first time. A stats write Redis refuses (maxmemory) is dropped: the counters are
+    best effort, the job's write is not.
 
     Raises:
         whatever Redis answers for the script or a read (e.g. ``OutOfMemoryError`` under

@@ -1,18 +1,7 @@
 """Dequeuing that a worker's death cannot lose a job to.
 
-RQ pops a job's id off its queue list before the worker runs it, and a prefillq job is
-taken (``queued -> prefilling``, `jobs.scripts.start`) only after it was tokenized, planned
-and its cache allocated: a worker killed in between would leave the job ``queued`` in its
-record and in no queue, forever. So every pop is recorded in the worker's taking set
-(`jobs.keys.worker_taking`) until the job's one RQ execution returns (by then the job is
-held, in ``keys.worker_jobs``, or was put back or skipped), and the reaper re-enqueues the
-jobs a dead worker was taking (`jobs.reaper`).
-
-A queue that holds a job is popped and recorded in one step (`jobs.scripts.take`; Redis
-lets a script that has popped go on writing under ``maxmemory``). A worker with nothing to
-pop waits in RQ's blocking pop (BLPOP) and records what it brings at once: only a death in
-that one round trip's gap can still lose the job (or, under ``maxmemory``, where the record
-is refused, a death before memory frees: the job's refused START parks its re-enqueue).
+Every pop is recorded in the worker's taking set until the job's RQ execution returns, and
+the reaper (`jobs.reaper`) re-enqueues the jobs a dead worker was taking.
 """
 
 from __future__ import annotations
@@ -39,6 +28,13 @@ log = logging.getLogger("prefillq.worker")
 class TakingQueue(Queue):
     """RQ's `Queue` whose `dequeue_any` records each job it pops in one worker's taking set;
     `for_worker` makes the subclass bound to a worker (RQ calls ``dequeue_any`` on the class).
+
+    RQ pops a job's id before the worker runs it, and a prefillq job is taken (``queued ->
+    prefilling``, `jobs.scripts.start`) only after it was tokenized, planned and its cache
+    allocated: a worker killed in between would leave the job ``queued`` and in no queue,
+    forever. So the pop stays in ``keys.worker_taking`` until the job's one RQ execution
+    returns (`taken`; by then the job is held, in ``keys.worker_jobs``, or was put back or
+    skipped).
     """
 
     taking_key: ClassVar[str] = ""
@@ -80,6 +76,11 @@ class TakingQueue(Queue):
 
     @classmethod
     def _pop(cls, connection: Redis, queue_keys: list[str], timeout: int | None):
+        """Pop and record in one step where a queue holds a job (`jobs.scripts.take`; Redis
+        lets a script that has popped go on writing under ``maxmemory``), else wait in
+        BLPOP and record what it brings at once: only a death in that round trip's gap can
+        still lose the job (or, where ``maxmemory`` refuses the record, a death before memory
+        frees: the job's refused START parks its re-enqueue)."""
         if not queue_keys:
             return None
         popped = cls.scripts.run(scripts.take(cls.taking_key, queue_keys), client=connection)

@@ -1,13 +1,8 @@
 """Run the docs' examples as written: a page's fenced ``sh``, ``bash`` and ``python`` blocks
-in order, as one bash script against a real redis-server (the docs' ``redis://localhost:6379/0``
-and port 8000 point at the test's own server and a free port; a block's ``redis-server &``
-starts that server), with ``prefillq``, ``python``
-and ``.venv/bin/prefillq`` from this interpreter's environment and ``PYTHONPATH`` set to
-this checkout, so a worktree runs its own code. A ``text`` or ``json`` block right after a
-block is what that block prints.
-
-`SESSIONS` says which pages each test runs and `NOT_RUN` the few blocks no test runs, each
-with its reason; `tests/docs/test_coverage.py` holds every runnable block to one of them."""
+in order, as one bash script against a real redis-server (a ``text`` or ``json`` block right
+after one is what it prints). `SESSIONS` says which pages each test runs and `NOT_RUN` the
+few blocks no test runs, each with its reason; `tests/docs/test_coverage.py` holds every
+runnable block to one of them."""
 
 from __future__ import annotations
 
@@ -96,7 +91,9 @@ def output_of(blocks: list[Block], block: Block) -> Block | None:
 
 
 def as_run(text: str, redis_port: int, port: int) -> str:
-    """`text` pointed at the test's Redis (on `redis_port`) and gateway port."""
+    """`text` pointed at the test's Redis (on `redis_port`) and gateway port: the docs'
+    ``redis://localhost:6379/0`` and port 8000 become the test's own server and a free
+    port, and a block's ``redis-server &`` starts that server."""
     return (text.replace(DOCS_REDIS, f"redis://localhost:{redis_port}/0")
             .replace("redis-server &", f"redis-server --port {redis_port} --save '' "
                                        "--appendonly no --logfile redis.log &")
@@ -125,7 +122,9 @@ def script_of(blocks: list[Block], redis_port: int, port: int) -> str:
 class Script:
     """`script_of(blocks)` running in `cwd` (where ``.venv`` links to this interpreter's
     environment) from construction on, in a process group of its own; `printed` waits for
-    it, so several can run at once."""
+    it, so several can run at once. ``prefillq``, ``python`` and ``.venv/bin/prefillq`` are
+    this interpreter's, and ``PYTHONPATH`` is this checkout, so a worktree runs its own
+    code."""
 
     def __init__(self, blocks: list[Block], redis_port: int, port: int, cwd: Path):
         venv = cwd / ".venv"

@@ -1,13 +1,8 @@
-"""The ``prefillq`` command line.
+"""The ``prefillq`` command line: one entry point, one module per command group.
 
-One entry point, one module per command group: ``run`` prefills one prompt, by default on an
-embedded queue (an in-process fakeredis server) with an in-process worker
-(`worker.cli.run`); ``worker`` serves a real Redis (`worker.cli.work`); ``plan`` prints a
-model's cache plan (`worker.cli.plan`); ``submit``, ``status``, ``cancel``, ``result`` and
-``reap`` are the client's (`jobs.cli`: they import nothing from MLX); ``serve`` runs the HTTP
-gateway (`jobs.gateway`, the ``gateway`` extra). With ``--json`` the
-last stdout line is one JSON object. Errors exit non-zero with a one-line message on stderr,
-usage errors too (`jobs.cli.OneLineParser`).
+``run``, ``worker`` and ``plan`` are here (`worker.cli.run`, `.work`, `.plan`); the client's
+commands, which import nothing from MLX, are `jobs.cli`'s, and ``serve`` is the gateway's
+(`jobs.gateway`). Every command's flags, output and exit status: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -48,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``prefillq`` command; returns its exit status (2 for an input error)."""
+    """Run one ``prefillq`` command; returns its exit status. An input error prints one line
+    on stderr and gives status 2, usage errors too (`jobs.cli.OneLineParser`)."""
     args = build_parser().parse_args(argv)
     runs_mlx = args.command == "worker" or (args.command == "run" and not args.redis)
     if argv is None and runs_mlx:
