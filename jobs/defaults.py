@@ -19,7 +19,7 @@ MAX_PRIORITY = 1000
 MAX_NAME_BYTES = 1024
 # Prompt text per job: the largest serving context, DeepSeek-V4-Flash's 1M tokens, is ~4 MiB
 # of typical text (~4 bytes/token), so twice that refuses only mistakes and abuse at submit,
-# before a worker spends seconds tokenizing it (a 10 MB prompt took 15 s).
+# before a worker spends seconds tokenizing it (docs/client.md).
 DEFAULT_MAX_PROMPT_BYTES = 8 * 1024 * 1024
 # Per-position top-K of prompt_logprobs costs 8 bytes per prompt token per K in Redis
 # (32K tokens at K=20: 5 MiB); vLLM's max_logprobs defaults to 20 too.

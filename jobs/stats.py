@@ -16,7 +16,7 @@ from .queues import intake_levels, rq_queue_key
 from .schema import JobState
 
 # Prometheus's default buckets (s), 2-2.5x apart: 5 ms (a small chunk on a GPU) to 10 s, past
-# the ~2 s of a 2,048-token Gemma 3 270M chunk on a CPU.
+# a 2,048-token Gemma 3 270M chunk on a CPU (docs/benchmarks.md).
 CHUNK_SECONDS_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -52,7 +52,7 @@ _JSON_FIELD = "tokenizer_json_zlib"
 
 def pack_tokenizer(fields: dict[str, Any]) -> bytes:
     """The blob workers publish: `fields` (``model.tokenizer.Tokenizer.published()``) as
-    msgpack with their ``tokenizer_json`` zlib-compressed (12 MB -> 5 MB, ~0.6 s for Gemma 3).
+    msgpack with their ``tokenizer_json`` zlib-compressed (sizes and time: docs/benchmarks.md).
 
     Raises:
         TokenizerMalformed: a field is missing or of the wrong type.

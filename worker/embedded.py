@@ -5,7 +5,7 @@ fakeredis server (the ``lua`` extra runs our scripts) and this process's own wor
 needs no Redis server. The benchmarks use the same wiring on a real redis-server.
 
 Its worker publishes no tokenizers: only this process reads the queue, and building the
-blob would add ~0.9 s (Gemma 3) to every ``prefillq run``.
+blob would slow every ``prefillq run`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     `work` is canceled again every `RECANCEL_S` seconds until it ends (`cancel_until_done`):
     on Python 3.11 a cancellation that lands as an inner wait completes can be swallowed
     (CPython gh-86296, ``asyncio.wait_for``; fixed in 3.12). One landing in the result
-    wait's redis-py calls was lost in 5 of 180 disconnects measured, and awaiting that one
-    cancel kept the request waiting for its whole job, which was then never canceled.
+    wait's redis-py calls can be lost (docs/benchmarks.md), and awaiting that one cancel
+    kept the request waiting for its whole job, which was then never canceled.
     """
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))

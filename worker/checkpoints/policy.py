@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 
 # Every 2 s: on a CPU, where a 2,048-token chunk takes seconds, that is every chunk; on a GPU
-# (~13 ms chunks) one checkpoint per ~150 chunks, so its cost (the copy out on the chunk
-# loop, the write on the writer's thread) stays well under the benchmark floors, and a
-# killed job loses at most ~2 s and a chunk. docs/checkpoints.md has the measurements.
+# one checkpoint per many chunks, so its cost (the copy out on the chunk loop, the write on
+# the writer's thread) stays well under the benchmark floors, and a killed job loses at most
+# 2 s and a chunk. docs/checkpoints.md has the measurements.
 DEFAULT_CHECKPOINT_EVERY = "2s"
 
 
