@@ -23,7 +23,7 @@ def session_turn_over_cold(rec: Recorder, loaded: LoadedModel, history: int = 81
     """Record ``session_turn_over_cold``: a follow-up turn's seconds over a cold prefill's of
     the same prompt (each follow-up against its own prompt's cold run; the best pair's
     ratio, every pair's in ``ratios``), after checking every follow-up's logits equal the
-    cold run's (DESIGN §8).
+    cold run's (tests/exactness.py).
 
     Args:
         ids: the conversation's token ids, at least ``history + new * turns`` of them

@@ -164,9 +164,10 @@ def print_result(record: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(record))
         return
-    chunks = record["chunks"]
+    chunks, resumed = record["chunks"], record.get("resumed_from")
     print(f"job {record['job_id']}: {record['state']}, {record['n_tokens']} tokens "
-          f"in {chunks} chunk{'' if chunks == 1 else 's'}, {reused(record)}")
+          f"in {chunks} chunk{'' if chunks == 1 else 's'}, {reused(record)}"
+          + ("" if resumed is None else f", resumed from a KV checkpoint at {resumed}"))
     timings = record.get("timings")
     if timings:
         print(f"prefill {timings['prefill_s']:.2f} s ({timings['tokens_per_s']:.0f} tok/s), "

@@ -99,7 +99,7 @@ def _floats(blob: bytes, code: str) -> list:
 
 
 def prompt_logprobs_of(blob: bytes) -> list[dict]:
-    """Decode a job's prompt logprobs key (OpenAI's ``echo`` convention, DESIGN §10).
+    """Decode a job's prompt logprobs key (OpenAI's ``echo`` convention, docs/gateway.md).
 
     The key is msgpack ``{"k": K, "ids": int32 (n,), "token_logprob": float32 (n + 1,),
     "top_ids": int32 (n + 1, K), "top_logprobs": float32 (n + 1, K)}``, arrays as raw

@@ -49,9 +49,9 @@ class JobStatus:
     extends every committed token), ``recovery-anchor`` (it extends the turn anchor's),
     ``reset`` (neither; the slot starts over), ``exact`` (the prompt equals the committed
     tokens: no forward pass), or ``grow-live``, ``grow-recovery-anchor``, ``grow-reset`` when
-    the slot's cache grew first. DESIGN.md §7 and `model.session` have the rules.
+    the slot's cache grew first. docs/sessions.md and `model.session` have the rules.
     ``resumed_from`` is the cursor this attempt restored from a KV checkpoint (None: it
-    started without one); the cursor never goes back past it (DESIGN.md §9).
+    started without one); the cursor never goes back past it (docs/checkpoints.md).
     """
 
     job_id: str

@@ -1,6 +1,6 @@
-"""The exactness contract every prefill path is tested against (DESIGN.md §8): float32
-max |diff| <= 1e-3 x max |logit| and the same argmax, plus a regression bound near what the
-test measured."""
+"""The exactness contract every prefill path is tested against (docs/architecture.md,
+Tests): float32 max |diff| <= 1e-3 x max |logit| and the same argmax, plus a regression
+bound near what the test measured."""
 
 from __future__ import annotations
 

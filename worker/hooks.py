@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class JobHooks(Protocol):
     """What a worker keeps beside a resident job's chunks, told of each turn of its life by
     `worker.step.Stepper` (in the order listed; implemented by
-    `worker.checkpoints.Checkpointing` and `worker.sessions.SessionSlots`)."""
+    `worker.checkpoints.checkpointing.Checkpointing` and `worker.sessions.SessionSlots`)."""
 
     def started(self, active: ActiveJob, record: JobRecord) -> None:
         """`active` was taken (``queued -> prefilling``) from `record` and is resident."""

@@ -31,7 +31,7 @@ class WorkerSettings:
         heartbeat_ttl_s: the worker counts as dead this many seconds after its last beat.
         session_slots, session_bytes: bounds on the session slots kept between a session's
             jobs (`worker.sessions.SessionSlots`; least recently used evicted first).
-        checkpoint_store: where KV checkpoints go (`worker.checkpoints.open_store`: None for
+        checkpoint_store: where KV checkpoints go (`worker.checkpoints.store.open_store`: None for
             this queue's Redis, ``redis://...``, ``file:///dir``).
         checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
         checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.

@@ -15,7 +15,7 @@ from model.prefill import Prefill
 from model.registry import LoadedModel
 from model.session import SessionSlot
 
-# The contract (DESIGN §8): max |diff| <= 1e-3 x max |logit| and the same argmax.
+# The contract (tests/exactness.py): max |diff| <= 1e-3 x max |logit| and the same argmax.
 EXACT_RTOL = 1e-3
 # Top-k choices (DeepSeek-V4 indexer rows, MoE experts) of a cold run must clear this gap x
 # the largest |score| (~10x float32 noise), or a chunked run could pick another row.

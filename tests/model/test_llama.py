@@ -22,7 +22,7 @@ from tests.model import llama_reference as reference
 from tests.model.session_harness import Harness
 from tests.model.test_gemma3 import report
 
-# The contract (DESIGN §8): max |diff| <= 1e-3 x max |logit| and the same argmax.
+# The contract (tests/exactness.py): max |diff| <= 1e-3 x max |logit| and the same argmax.
 EXACT_RTOL = 1e-3
 # Regression bounds on max |diff| / max |logit|, ~4x the worst measured over the variants:
 # float32 MLX vs the float64 reference (every position of 300 tokens) measures 3.6e-7 to

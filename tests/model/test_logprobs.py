@@ -1,4 +1,4 @@
-"""Prompt log-probabilities (`model.logprobs`): chunked equals one pass (DESIGN §8)."""
+"""Prompt log-probabilities (`model.logprobs`): chunked equals one pass (tests/exactness.py)."""
 
 from __future__ import annotations
 

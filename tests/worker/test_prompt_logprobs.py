@@ -1,4 +1,5 @@
-"""Prompt log-probabilities through Redis and a worker: stored, decoded, exact (DESIGN §8)."""
+"""Prompt log-probabilities through Redis and a worker: stored, decoded, exact
+(tests/exactness.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`Checkpointing`: when a worker checkpoints its resident jobs, the fenced switch, resume
-and clean-up (DESIGN.md §9; docs/checkpoints.md says what a checkpoint costs)."""
+and clean-up (docs/checkpoints.md says how and what a checkpoint costs)."""
 
 from __future__ import annotations
 
