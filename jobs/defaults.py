@@ -32,6 +32,8 @@ DEFAULT_RESULT_TTL_S = 24 * 3600
 DEFAULT_LOGITS_TTL_S = 3600
 # Jobs a worker keeps resident (KV caches in memory), advanced round-robin.
 DEFAULT_MAX_ACTIVE = 4
+# Resident jobs one step advances at most, a chunk each (1: one job's chunk per step).
+DEFAULT_MAX_BATCH_JOBS = 1
 # A worker counts as dead this long after its last heartbeat.
 DEFAULT_HEARTBEAT_TTL_S = 30
 # Error messages are capped so a pathological input cannot bloat Redis.

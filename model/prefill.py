@@ -86,6 +86,14 @@ class Prefill:
         return self.cursor == self.n_tokens
 
     @property
+    def next_chunk_tokens(self) -> int:
+        """Tokens the next chunk computes (0 once done)."""
+        if self.done:
+            return 0
+        start, end = self.plan.next_chunk(self.cursor)
+        return end - start
+
+    @property
     def launched(self) -> bool:
         """A chunk was launched and its `step` has not run yet."""
         return self._launched is not None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from rq import Queue
 
-from jobs.defaults import DEFAULT_MAX_ACTIVE
+from jobs.defaults import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_JOBS
 from jobs.queues import enqueue_admission, intake_priorities, intake_queue
 
 from .active import ActiveJob
@@ -23,10 +23,14 @@ log = logging.getLogger("prefillq.worker")
 
 @dataclass(frozen=True)
 class Step:
-    """The resident jobs one step advances, in turn order (one job today; the step is a
-    tuple so a packed forward pass can carry several)."""
+    """The resident jobs one step advances, a chunk each, in turn order."""
 
     jobs: tuple[ActiveJob, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the step's chunks compute."""
+        return sum(a.prefill.next_chunk_tokens for a in self.jobs)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,11 @@ Decision = Admit | Run | Idle
 class Scheduler:
     """One worker's resident jobs, their turn order, and its admission policy.
 
-    Resident jobs take turns round-robin, one chunk each. While fewer than `max_active` are
+    Resident jobs take turns round-robin, one chunk each; a step takes the jobs whose turn
+    it is, in turn order, up to `max_batch_jobs` of them and `step_tokens` tokens (the
+    first always, whatever its chunk's size), and each moves to the back of the order, so
+    every resident job runs within ``ceil(resident / max_batch_jobs)`` steps. While fewer
+    than `max_active` are
     resident and their KV bytes are under `kv_budget_bytes`, a job waiting in the worker's
     own queue or an intake queue (highest priority first) is admitted between any two
     chunks, as soon as a chunk's round trip saw one waiting (`saw_intake`): a new job waits
@@ -71,12 +79,22 @@ class Scheduler:
             (``ActiveJob.prefill.cache.nbytes``); None for no bound.
         refresh_s: while jobs are resident, a new priority level's intake queue is read
             within this many seconds of its first job.
+        max_batch_jobs: jobs one step advances at most (at least 1).
+        step_tokens: tokens one step computes at most, over its jobs' chunks (None: no
+            bound beyond `max_batch_jobs`).
+
+    Raises:
+        ValueError: `step_tokens` is not positive.
     """
 
     def __init__(self, connection, models: list[str], own: Queue, *,
                  max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None,
-                 refresh_s: float = 1.0):
+                 refresh_s: float = 1.0, max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS,
+                 step_tokens: int | None = None):
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.connection, self.models, self.own = connection, list(models), own
+        self.max_batch_jobs, self.step_tokens = max(1, max_batch_jobs), step_tokens
         self.max_active = max(1, max_active)
         self.kv_budget_bytes = kv_budget_bytes
         self.refresh_s = refresh_s
@@ -104,9 +122,17 @@ class Scheduler:
 
     def next_step(self) -> Step | None:
         """The step whose turn it is, without taking the turn (None: nothing resident)."""
-        if not self.resident:
-            return None
-        return Step((next(iter(self.resident.values())),))
+        jobs: list[ActiveJob] = []
+        tokens = 0
+        for active in self.resident.values():
+            n = active.prefill.next_chunk_tokens
+            full = len(jobs) == self.max_batch_jobs or (
+                self.step_tokens is not None and tokens + n > self.step_tokens)
+            if jobs and full:
+                break
+            jobs.append(active)
+            tokens += n
+        return Step(tuple(jobs)) if jobs else None
 
     def take_turn(self) -> Step:
         """The step whose turn it is; its jobs' next turns come after the other jobs'.

@@ -8,6 +8,7 @@ from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
+    DEFAULT_MAX_BATCH_JOBS,
     DEFAULT_RESULT_TTL_S,
     DEFAULT_SESSION_SLOTS,
 )
@@ -25,6 +26,10 @@ class WorkerSettings:
             cap may be smaller; a job planned before keeps its recorded plan); None: the
             planner's default.
         max_active: jobs resident at once.
+        max_batch_jobs: resident jobs one step advances at most, a chunk each
+            (`worker.scheduler.Scheduler`).
+        step_tokens: tokens one step computes at most over its jobs' chunks (None: only
+            `max_batch_jobs` bounds a step; a step always takes its first job's chunk).
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime in seconds of a terminal job's record and of
             its full logits.
@@ -43,6 +48,8 @@ class WorkerSettings:
 
     chunk_tokens: int | None = None
     max_active: int = DEFAULT_MAX_ACTIVE
+    max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS
+    step_tokens: int | None = None
     kv_budget_bytes: int | None = None
     result_ttl_s: int = DEFAULT_RESULT_TTL_S
     logits_ttl_s: int = DEFAULT_LOGITS_TTL_S

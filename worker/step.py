@@ -104,7 +104,12 @@ class Stepper:
             active.prefill.launch()
 
     def run(self, step: Step) -> None:
-        """Run one chunk of each job of `step` (the scheduler's `Run`)."""
+        """Run one chunk of each job of `step` (the scheduler's `Run`): every chunk is
+        launched on the device first, so each job's round trip overlaps the next job's
+        forward pass; a job a round trip ended (a cancel seen) is skipped, its launched
+        chunk abandoned."""
+        for active in step.jobs:
+            active.prefill.launch()
         for active in step.jobs:
             if active.job_id in self.active:  # an earlier job's round trip may cancel it
                 self._guarded(active.job_id, self._run_chunk, active)

@@ -129,6 +129,8 @@ class PrefillWorker(SimpleWorker):
         self.prefill_scheduler = Scheduler(connection, list(models), self.own_queue,
                                            max_active=settings.max_active,
                                            kv_budget_bytes=settings.kv_budget_bytes,
+                                           max_batch_jobs=settings.max_batch_jobs,
+                                           step_tokens=settings.step_tokens,
                                            refresh_s=self.heartbeat_ttl_s / 6)
         every, store = settings.checkpoint_every, settings.checkpoint_store
         policy = CheckpointPolicy.parse(every or "none")

@@ -222,3 +222,21 @@ def test_kv_budget_admits_only_what_fits(setup, on_chunk, tiny):
     worker.work(burst=True)
     assert log.order == [a] * 7 + [b] * 7, "b waited for a's KV cache to be released"
     assert client.status(b).attempts == 1, "waiting for room is not a restart"
+
+
+def test_steps_of_several_jobs_keep_turn_order_and_exact_logits(setup, on_chunk, tiny):
+    worker, client = setup(max_batch_jobs=3)
+    token_ids = [ids(n, 40 + s) for s, n in enumerate((80, 64, 48))]
+    a, b, c = jobs = [client.submit(tokens=t, model=MODEL, top_k=3) for t in token_ids]
+    in_flight = []
+
+    def others_launched(job_id, chunk_no):  # the first step of all three, at a's chunk
+        if job_id == a and chunk_no == 2:
+            in_flight.extend(worker.active[j].prefill.launched for j in (b, c))
+
+    log = on_chunk(others_launched)
+    worker.work(burst=True)
+    assert in_flight == [True, True], "b's and c's chunks run in a's step"
+    assert log.order == [a, b, c] * 3 + [a, b] + [a]  # the turn order of one-job steps
+    for job, t in zip(jobs, token_ids, strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny, t)

@@ -23,13 +23,15 @@ def test_the_flags_defaults_are_the_settings_defaults():
 
 def test_each_setting_comes_from_its_flag():
     args = parse("--chunk-tokens", "64", "--max-active", "3", "--kv-budget-bytes", "1000",
+                 "--max-batch-jobs", "4", "--step-tokens", "256",
                  "--result-ttl", "11", "--logits-ttl", "12", "--heartbeat-ttl", "13",
                  "--session-slots", "0", "--session-bytes", "5", "--checkpoint-every", "none",
                  "--checkpoint-store", "file:///tmp/ckpt", "--checkpoint-max-bytes", "7",
                  "--max-top-k", "9")
     settings = settings_of(args)
     assert settings == WorkerSettings(
-        chunk_tokens=64, max_active=3, kv_budget_bytes=1000, result_ttl_s=11,
+        chunk_tokens=64, max_active=3, max_batch_jobs=4, step_tokens=256,
+        kv_budget_bytes=1000, result_ttl_s=11,
         logits_ttl_s=12, heartbeat_ttl_s=13, session_slots=0, session_bytes=5,
         checkpoint_every="none", checkpoint_store="file:///tmp/ckpt", checkpoint_max_bytes=7,
         limits=Limits(max_top_k=9))

@@ -10,6 +10,7 @@ from jobs.defaults import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
+    DEFAULT_MAX_BATCH_JOBS,
     DEFAULT_MAX_PROMPT_BYTES,
     DEFAULT_MAX_PROMPT_LOGPROBS,
     DEFAULT_MODEL,
@@ -23,9 +24,9 @@ from ..checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, che
 from .loading import load_models
 
 # the `WorkerSettings` fields that are ``prefillq worker`` flags of the same dest
-CLI_SETTINGS = ("chunk_tokens", "max_active", "kv_budget_bytes", "result_ttl_s", "logits_ttl_s",
-                "heartbeat_ttl_s", "session_slots", "session_bytes", "checkpoint_store",
-                "checkpoint_every", "checkpoint_max_bytes")
+CLI_SETTINGS = ("chunk_tokens", "max_active", "max_batch_jobs", "step_tokens", "kv_budget_bytes",
+                "result_ttl_s", "logits_ttl_s", "heartbeat_ttl_s", "session_slots",
+                "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -91,6 +92,12 @@ def add_worker(sub) -> None:
     worker.add_argument("--max-active", type=positive_int, default=DEFAULT_MAX_ACTIVE,
                         help="jobs resident at once, advanced round-robin "
                              f"(default {DEFAULT_MAX_ACTIVE})")
+    worker.add_argument("--max-batch-jobs", type=positive_int, default=DEFAULT_MAX_BATCH_JOBS,
+                        help="resident jobs one step advances, a chunk each, in turn order "
+                             "(default %(default)s)")
+    worker.add_argument("--step-tokens", type=positive_int,
+                        help="cap on the tokens of one step's chunks (a step always takes "
+                             "its first job's chunk; default: no cap)")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
     worker.add_argument("--session-slots", type=non_negative_int, default=DEFAULT_SESSION_SLOTS,

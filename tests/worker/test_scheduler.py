@@ -1,0 +1,88 @@
+"""`worker.scheduler.Scheduler`'s steps: turn order, `max_batch_jobs` and `step_tokens`, on
+real prefills of the tiny Gemma 3 (the scheduler reads only their next chunk's size)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import fakeredis
+import pytest
+
+from jobs.queues import own_queue
+from model.planner import plan_chunks
+from worker.scheduler import Admit, Idle, Run, Scheduler
+
+from .helpers import MODEL, ids
+
+
+@pytest.fixture
+def make(tiny):
+    def make_scheduler(**options) -> Scheduler:
+        conn = fakeredis.FakeStrictRedis()
+        return Scheduler(conn, [MODEL], own_queue(conn, "w1"), **options)
+
+    return make_scheduler
+
+
+def resident(scheduler: Scheduler, tiny, chunks: dict[str, int], n_tokens: int = 64) -> None:
+    """Make jobs named by `chunks` resident, each planned in chunks of that many tokens."""
+    for name, chunk in chunks.items():
+        plan = plan_chunks(n_tokens, tiny.sliding_window, chunk_tokens=chunk)
+        prefill = tiny.start_prefill(ids(n_tokens, len(name)), plan=plan)
+        scheduler.add(SimpleNamespace(job_id=name, prefill=prefill))
+
+
+def turns(scheduler: Scheduler, n: int) -> list[tuple[str, ...]]:
+    return [tuple(a.job_id for a in scheduler.take_turn().jobs) for _ in range(n)]
+
+
+def test_one_job_per_step_is_round_robin(make, tiny):
+    scheduler = make()
+    resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16})
+    assert turns(scheduler, 4) == [("a",), ("b",), ("c",), ("a",)]
+
+
+def test_a_step_takes_up_to_max_batch_jobs_in_turn_order(make, tiny):
+    scheduler = make(max_batch_jobs=2)
+    resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16})
+    steps = turns(scheduler, 3)
+    assert steps == [("a", "b"), ("c", "a"), ("b", "c")]
+    # every job runs within ceil(3 / 2) = 2 steps of its last turn
+    for job in "abc":
+        at = [i for i, step in enumerate(steps) if job in step]
+        assert max(b - a for a, b in zip(at, at[1:], strict=False)) <= 2
+
+
+def test_step_tokens_bounds_a_step_but_never_empties_it(make, tiny):
+    scheduler = make(max_batch_jobs=8, step_tokens=40)
+    resident(scheduler, tiny, {"a": 16, "b": 16, "big": 64, "c": 16})
+    step = scheduler.take_turn()
+    assert [a.job_id for a in step.jobs] == ["a", "b"] and step.tokens == 32  # + 64 > 40
+    assert [a.job_id for a in scheduler.take_turn().jobs] == ["big"]  # alone, over the cap
+    assert [a.job_id for a in scheduler.take_turn().jobs] == ["c", "a"]
+
+
+def test_next_step_does_not_take_the_turn(make, tiny):
+    scheduler = make(max_batch_jobs=2)
+    resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16})
+    assert [a.job_id for a in scheduler.next_step().jobs] == ["a", "b"]
+    assert [a.job_id for a in scheduler.take_turn().jobs] == ["a", "b"]
+    assert [a.job_id for a in scheduler.next_step().jobs] == ["c", "a"]
+
+
+def test_schedule_admits_when_a_job_waits_else_runs_else_idles(make, tiny):
+    scheduler = make()
+    assert isinstance(scheduler.schedule(), Idle)
+    resident(scheduler, tiny, {"a": 16})
+    scheduler.saw_intake(True)
+    decision = scheduler.schedule()
+    assert isinstance(decision, Admit) and decision.queues[0] == scheduler.own
+    decision = scheduler.schedule()  # admission is asked for once per round trip that saw one
+    assert isinstance(decision, Run) and [a.job_id for a in decision.step.jobs] == ["a"]
+    with pytest.raises(LookupError):
+        make().take_turn()
+
+
+def test_a_bad_step_tokens_is_refused(make):
+    with pytest.raises(ValueError, match="step_tokens"):
+        make(step_tokens=0)
