@@ -85,6 +85,36 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
     return hidden, head
 
 
+def launch_packed(model, caches: Sequence[ModelCache], chunks: Sequence[Sequence[int]]
+                  ) -> list[mx.array]:
+    """`launch_chunk` for several jobs' chunks in one forward pass (``model.packed``: the
+    linear layers over every job's rows at once, attention per job against its own cache);
+    each job's `finish_chunk` then waits and commits it.
+
+    Args:
+        model: a model with ``packed`` (Gemma 3) whose ``packs(caches)`` holds.
+        caches: each job's cache, at its committed position.
+        chunks: each job's chunk of token ids (none empty).
+    Returns:
+        per job, float ``(1, hidden)``: its chunk's last hidden state, being evaluated.
+    Raises:
+        CachePoisoned: a cache was poisoned earlier. Anything building the graph raises,
+        after poisoning every cache of the pass.
+    """
+    for cache, ids in zip(caches, chunks, strict=True):
+        cache.check_chunk(len(ids))
+    try:
+        for cache, ids in zip(caches, chunks, strict=True):
+            cache.begin(len(ids))
+        hidden = model.packed([mx.array(ids, dtype=mx.int32) for ids in chunks], list(caches))
+        mx.async_eval(*hidden, *(cache.arrays() for cache in caches))
+    except BaseException:
+        for cache in caches:
+            cache.poison()
+        raise
+    return hidden
+
+
 def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
                  head: tuple = ()) -> mx.array:
     """Wait for a `launch_chunk` of `n_tokens` tokens (and its `head` outputs), then commit

@@ -13,6 +13,7 @@ from jobs.record import JobRecord, encode_field
 from jobs.result import logits_blob
 from jobs.schema import JobState, LogitsMode, now
 from jobs.scripts import Fence, Scripts, StartCounts
+from model.prefill import Prefill
 from model.registry import LoadedModel
 
 from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
@@ -100,16 +101,15 @@ class Stepper:
         overlaps its forward pass instead of leaving the device idle. The turn order and
         what the last round trip decided are unchanged."""
         step = self.scheduler.next_step()
-        for active in step.jobs if step else ():
-            active.prefill.launch()
+        if step is not None:
+            Prefill.launch_all([active.prefill for active in step.jobs])
 
     def run(self, step: Step) -> None:
         """Run one chunk of each job of `step` (the scheduler's `Run`): every chunk is
-        launched on the device first, so each job's round trip overlaps the next job's
-        forward pass; a job a round trip ended (a cancel seen) is skipped, its launched
-        chunk abandoned."""
-        for active in step.jobs:
-            active.prefill.launch()
+        launched on the device first, in one packed forward pass where the model packs
+        (`Prefill.launch_all`), so each job's round trip overlaps the rest of the step; a
+        job a round trip ended (a cancel seen) is skipped, its launched chunk abandoned."""
+        Prefill.launch_all([active.prefill for active in step.jobs])
         for active in step.jobs:
             if active.job_id in self.active:  # an earlier job's round trip may cancel it
                 self._guarded(active.job_id, self._run_chunk, active)

@@ -85,11 +85,31 @@ class Attention(nn.Module):
         self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.attn_q_norm(self.attn_q(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.attn_k_norm(self.attn_k(x).reshape(B, L, self.n_kv_heads, -1))
-        k = k.transpose(0, 2, 1, 3)
-        v = self.attn_v(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.attn_output(self.attend(self.attn_q(x), self.attn_k(x), self.attn_v(x),
+                                            cache, position))
+
+    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
+               ) -> mx.array:
+        """Several jobs' chunks packed along ``L`` (``(1, sum(lengths), hidden)``): the
+        projections run over every row at once, attention per job against its own cache
+        at its own position."""
+        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        outs, start = [], 0
+        for cache, position, n in zip(caches, positions, lengths, strict=True):
+            rows = slice(start, start + n)
+            outs.append(self.attend(q[:, rows], k[:, rows], v[:, rows], cache, position))
+            start += n
+        return self.attn_output(mx.concatenate(outs, axis=1))
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
+               ) -> mx.array:
+        """One job's projected queries, keys and values ``(B, L, heads * head_dim)`` at
+        `position`: normed, rotated, written to `cache`, attended; ``(B, L, heads *
+        head_dim)`` before the output projection."""
+        B, L, _ = q.shape
+        q = self.attn_q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.attn_k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         # (B, heads, L, head_dim); NEOX-style rotation, i.e. MLX's traditional=False
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
                          offset=position)
@@ -97,7 +117,7 @@ class Attention(nn.Module):
                          offset=position)
         keys, values, mask = cache.update(k, v, position)
         out = self.core(q, keys, values, mask, position)
-        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
     def core(self, q: mx.array, keys: mx.array, values: mx.array, mask, position: int
              ) -> mx.array:
@@ -142,7 +162,16 @@ class Block(nn.Module):
         self.post_ffw_norm = nn.RMSNorm(args.hidden_size, eps=eps)
 
     def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        h = x + self.post_attention_norm(self.attn(self.attn_norm(x), cache, position))
+        return self._mlp(x + self.post_attention_norm(self.attn(self.attn_norm(x), cache,
+                                                                position)))
+
+    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
+               ) -> mx.array:
+        """`__call__` over several jobs' chunks packed along ``L`` (`Attention.packed`)."""
+        attended = self.attn.packed(self.attn_norm(x), caches, positions, lengths)
+        return self._mlp(x + self.post_attention_norm(attended))
+
+    def _mlp(self, h: mx.array) -> mx.array:
         return h + self.post_ffw_norm(self.mlp(self.ffn_norm(h)))
 
 
@@ -195,6 +224,33 @@ class Model(nn.Module, KVCacheModel):
         for layer, block in enumerate(self.blk):
             h = block(h, cache[layer], cache.position)
         return self.output_norm(h if every_position else h[:, -1, :])
+
+    def packs(self, caches: list[ModelCache]) -> bool:
+        """Whether `packed` serves chunks of `caches`: not on the compiled-graph path (a
+        CUDA GPU in bf16), whose graphs are built for one job's chunk."""
+        return not any(graph_applies(self, cache) for cache in caches)
+
+    def packed(self, inputs: list[mx.array], caches: list[ModelCache]) -> list[mx.array]:
+        """One forward pass over several jobs' chunks, each at its own ``cache.position``,
+        without committing them: the embedding, norms, projections and MLP run over every
+        job's rows at once (packed along ``L``), attention per job against its own cache.
+
+        Args:
+            inputs: each job's chunk of token ids, int32 ``(L_i,)``.
+            caches: each job's cache (rows ``[position, position + L_i)`` are written).
+        Returns:
+            per job, float ``(1, hidden)``: the final-normed hidden state of its chunk's last
+            position.
+        """
+        lengths = [int(x.shape[0]) for x in inputs]
+        positions = [cache.position for cache in caches]
+        h = self.token_embd(mx.concatenate(inputs)[None])
+        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
+        for layer, block in enumerate(self.blk):
+            h = block.packed(h, [cache[layer] for cache in caches], positions, lengths)
+        ends = mx.array([sum(lengths[: i + 1]) - 1 for i in range(len(lengths))])
+        last = self.output_norm(h[0, ends])  # (jobs, hidden)
+        return [last[i : i + 1] for i in range(len(lengths))]
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``(B, hidden)`` -> ``(B, vocab)`` through the tied embedding."""
