@@ -1,0 +1,56 @@
+"""`bench.serve`: arms parsed from the command line, and a short run end to end through a
+real redis-server and real ``prefillq worker`` processes on the tiny Gemma 3 (numbers are
+not asserted, only the records' shape and that every job finished with the in-process
+top-1 id)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench.serve import LENGTHS, Arm, main, parse_arm, plan_prompts
+
+
+def test_an_arm_is_a_name_and_the_worker_flags_split_as_a_shell_would():
+    assert parse_arm("one=--max-active 1") == Arm("one", ("--max-active", "1"))
+    assert parse_arm("q=--redis 'a b'") == Arm("q", ("--redis", "a b"))
+    assert parse_arm("default=") == Arm("default", ())
+    for bad in ("no-equals", "a b=--max-active 1", "=--max-active 1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_arm(bad)
+
+
+def test_every_arm_gets_the_same_prompts_of_scoring_lengths():
+    prompts = plan_prompts(200, "gemma3-tiny", 365, seed=3)
+    assert prompts == plan_prompts(200, "gemma3-tiny", 365, seed=3)
+    assert all(LENGTHS[0] <= len(p) <= LENGTHS[1] and p[0] == 2 for p in prompts)
+    assert all(260 <= i < 365 for p in prompts for i in p[1:])
+
+
+def test_two_arms_alternate_through_one_worker_each(capsys, tmp_path):
+    out = tmp_path / "serve.jsonl"
+    assert main(["--jobs", "12", "--rounds", "1", "--arm", "one=--max-active 1",
+                 "--arm", "two=--max-active 8", "--json", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    runs = [r for r in records if r["metric"] == "serve_jobs_per_s"]
+    assert [(r["arm"], r["round"], r["worker_flags"]) for r in runs] == [
+        ("one", 0, "--max-active 1"), ("two", 0, "--max-active 8")]
+    for r in runs:
+        assert r["jobs"] == r["finished"] == 12 and r["worker_exit_code"] == 0
+        assert r["top1_checked"] == 4 and r["top1_mismatches"] == 0
+        assert r["value"] > 0 and r["tokens_per_s"] > 0 and r["model"] == "gemma3-tiny"
+        assert 0 < r["latency_p50_s"] <= r["latency_p99_s"] <= r["wall_s"]
+        assert r["redis_commands_per_job"] == pytest.approx(
+            sum(r["redis_commands_per_job_by_command"].values()), abs=0.05)
+        assert r["redis_commands_per_job_by_command"]["publish"] >= 1  # each job's finished
+        assert r["machine"]["suite"] == "serve"
+    medians = {r["arm"]: r for r in records if r["metric"] == "serve_jobs_per_s_median"}
+    assert set(medians) == {"one", "two"} and medians["one"]["rounds"] == 1
+    (ratio,) = [r for r in records if r["metric"] == "serve_jobs_per_s_over_one"]
+    assert ratio["value"] == pytest.approx(runs[1]["value"] / runs[0]["value"], rel=1e-3)
+    assert "holds" not in ratio  # the issue's bound is for the one-job/default pair only
+    context = json.loads(out.read_text().splitlines()[0])["context"]
+    assert context["arms"] == {"one": "--max-active 1", "two": "--max-active 8"}
+    assert context["arms_chosen"] == "given" and context["tokens"] == runs[0]["tokens"]
