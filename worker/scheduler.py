@@ -63,12 +63,12 @@ class Scheduler:
     it is, in turn order, up to `max_batch_jobs` of them and `step_tokens` tokens (the
     first always, whatever its chunk's size), and each moves to the back of the order, so
     every resident job runs within ``ceil(resident / max_batch_jobs)`` steps. While fewer
-    than `max_active` are
-    resident and their KV bytes are under `kv_budget_bytes`, a job waiting in the worker's
-    own queue or an intake queue (highest priority first) is admitted between any two
-    chunks, as soon as a chunk's round trip saw one waiting (`saw_intake`): a new job waits
-    at most for the chunk in progress. A job that does not fit goes back to the head of its
-    intake queue, and nothing is admitted until a resident job leaves.
+    than `max_active` are resident and their KV bytes are under `kv_budget_bytes`, a job
+    waiting in the worker's own queue or an intake queue (highest priority first) is
+    admitted between any two steps, as soon as a chunk's round trip saw one waiting
+    (`saw_intake`): a new job waits at most for the step in progress. A job that does not
+    fit goes back to the head of its intake queue, and nothing is admitted until a resident
+    job leaves.
 
     Args:
         connection: Redis connection.

@@ -97,7 +97,7 @@ class Stepper:
 
     def launch_next(self) -> None:
         """Start the step whose turn it is on the device without waiting
-        (`Prefill.launch`), so what runs before it is run (RQ's bookkeeping of an admission)
+        (`Prefill.launch_all`), so what runs before it is run (RQ's bookkeeping of an admission)
         overlaps its forward pass instead of leaving the device idle. The turn order and
         what the last round trip decided are unchanged."""
         step = self.scheduler.next_step()
@@ -294,8 +294,9 @@ class Stepper:
         ended = stats.terminal(outcome)
         active = self.scheduler.remove(job_id)
         self._forget(job_id, ended=ended)
-        for hook in self.hooks if active is not None else ():
-            hook.leaving(active, ended)
+        if active is not None:
+            for hook in self.hooks:
+                hook.leaving(active, ended)
         log.warning("job %s failed: %s: %s", job_id, error_type, message[:200])
 
     def chunk_failed(self, active: ActiveJob, error: Exception) -> None:

@@ -21,6 +21,7 @@ from jobs.defaults import (
 from jobs.limits import Limits
 
 from ..checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
+from ..settings import WorkerSettings
 from .loading import load_models
 
 # the `WorkerSettings` fields that are ``prefillq worker`` flags of the same dest
@@ -46,8 +47,6 @@ def settings_of(args: argparse.Namespace):
     """The `worker.settings.WorkerSettings` ``prefillq worker``'s flags ask for: each field
     from the flag of its name (``--result-ttl`` is ``result_ttl_s``), ``limits`` from
     `limits_of`; a worker run from the CLI publishes its tokenizers."""
-    from worker.settings import WorkerSettings
-
     return WorkerSettings(**{name: getattr(args, name) for name in CLI_SETTINGS},
                           limits=limits_of(args))
 
