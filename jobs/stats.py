@@ -8,7 +8,8 @@ read from the keys the queue keeps anyway (`read_plan`).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Generator, Mapping
+from collections import Counter
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from . import keys
@@ -24,7 +25,8 @@ SUBMITTED = "submitted"
 TOKENS_PREFILLED = "tokens_prefilled"
 CHUNK_SECONDS_SUM = "chunk_seconds_sum"
 TERMINAL_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELED)
-# Commands `record_chunk` adds to a chunk's pipeline (the chunk count is the buckets' sum).
+# Commands `record_chunks` adds for one chunk (the chunk count is the buckets' sum); a step's
+# chunks add one more for each further bucket their times fall in.
 COMMANDS_PER_CHUNK = 3
 
 
@@ -39,17 +41,23 @@ def bucket_field(seconds: float) -> str:
 BUCKET_FIELDS = tuple(bucket_field(b) for b in CHUNK_SECONDS_BUCKETS) + ("chunk_le:+Inf",)
 
 
-def record_chunk(pipe, seconds: float, tokens: int) -> None:
-    """Add one chunk's counts to `pipe` (`COMMANDS_PER_CHUNK` commands on ``keys.STATS``).
+def record_chunks(pipe, chunks: Iterable[tuple[float, int]]) -> None:
+    """Add a step's chunks' counts to `pipe`, on ``keys.STATS`` only: one HINCRBY of the
+    tokens, one per histogram bucket the chunks fall in, one HINCRBYFLOAT of the seconds
+    (`COMMANDS_PER_CHUNK` for one chunk). Nothing for no chunks.
 
     Args:
         pipe: a redis or redis.asyncio pipeline.
-        seconds: the chunk's forward pass, wall seconds.
-        tokens: tokens it computed (not those a session's slot or a checkpoint supplied).
+        chunks: ``(seconds, tokens)`` per chunk: its forward pass in wall seconds, and the
+            tokens it computed (not those a session's slot or a checkpoint supplied).
     """
-    pipe.hincrby(keys.STATS, TOKENS_PREFILLED, int(tokens))
-    pipe.hincrby(keys.STATS, bucket_field(seconds), 1)
-    pipe.hincrbyfloat(keys.STATS, CHUNK_SECONDS_SUM, float(seconds))
+    chunks = list(chunks)
+    if not chunks:
+        return
+    pipe.hincrby(keys.STATS, TOKENS_PREFILLED, sum(int(tokens) for _, tokens in chunks))
+    for bucket, n in Counter(bucket_field(seconds) for seconds, _ in chunks).items():
+        pipe.hincrby(keys.STATS, bucket, n)
+    pipe.hincrbyfloat(keys.STATS, CHUNK_SECONDS_SUM, sum(float(s) for s, _ in chunks))
 
 
 def terminal(outcome: str | bytes) -> JobState | None:

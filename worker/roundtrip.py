@@ -1,7 +1,7 @@
-"""One Redis round trip per chunk: the job's fenced transition plus what the loop needs next.
+"""One Redis round trip per step: its jobs' fenced transitions plus what the loop needs next.
 
-After each chunk the worker sends the job's checkpoint (or publish) script, the other
-resident jobs' cancel flags, the admission queues' lengths and the chunk's stats together.
+After each step the worker sends every stepped job's progress (or publish) script, the other
+resident jobs' cancel flags, the admission queues' lengths and the step's chunk stats together.
 """
 
 from __future__ import annotations
@@ -18,75 +18,95 @@ from jobs.scripts import Call, Scripts
 
 @dataclass
 class Probe:
-    """What rides along with a chunk's script.
+    """What rides along with a step's scripts.
 
     Attributes:
-        others: ids of the other resident jobs, whose cancel flags are read.
+        others: ids of the resident jobs outside the step, whose cancel flags are read.
         queue_keys: Redis keys of the RQ queues to admit from (empty: no room).
-        chunk: the chunk just computed, ``(seconds, tokens)``, whose stats are written
-            (None: no chunk ran, e.g. a cancel or an exact session hit).
+        chunks: the chunks the step computed, ``(seconds, tokens)`` each, whose stats are
+            written (empty: no chunk ran, e.g. a cancel or an exact session hit).
     """
 
     others: Sequence[str] = ()
     queue_keys: Sequence[str] = ()
-    chunk: tuple[float, int] | None = None
+    chunks: Sequence[tuple[float, int]] = ()
 
 
 @dataclass
 class Reply:
-    """What came back: the script's outcome and the probe's answers."""
+    """What came back: each script's outcome (a Redis error in place of a script that
+    failed, e.g. ``OutOfMemoryError`` under maxmemory) and the probe's answers."""
 
-    outcome: str
+    outcomes: list[str | Exception]
     canceled: list[str] = field(default_factory=list)
     intake_waiting: bool = False
 
+    @property
+    def outcome(self) -> str:
+        """The one script's outcome (a round trip of one call).
 
-def run_script(connection: Redis, scripts: Scripts, call: Call,
-               probe: Probe | None = None) -> Reply:
-    """Run `call` (registered in `scripts`), `probe`'s reads and its chunk's stats in one
-    round trip: a non-transactional pipeline, since the stats (`jobs.stats.record_chunk`,
-    on ``keys.STATS``) are in another Redis Cluster slot than the job. The script is atomic
-    on its own; the rest needs no atomicity (a flag or a queue length a moment old only
-    delays a decision by one chunk; the chunk was computed whatever the script answers).
+        Raises:
+            the Redis error that script got.
+        """
+        (outcome,) = self.outcomes
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-    The script goes out as plain EVALSHA: redis-py's pipelines otherwise send ``SCRIPT
+
+def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
+                probe: Probe | None = None) -> Reply:
+    """Run `calls` (registered in `scripts`), `probe`'s reads and its chunks' stats in one
+    round trip: a non-transactional pipeline, since each script is atomic on its own and the
+    jobs and the stats (`jobs.stats.record_chunks`, on ``keys.STATS``) are in different
+    Redis Cluster slots. The rest needs no atomicity: a flag or a queue length a moment old
+    only delays a decision by one step; the chunks were computed whatever the scripts answer.
+
+    The scripts go out as plain EVALSHA: redis-py's pipelines otherwise send ``SCRIPT
     EXISTS`` in a round trip of its own before every execution
-    (`redis.client.Pipeline.load_scripts`). On ``NOSCRIPT`` (a server that lost its script
-    cache) the script is loaded and the pipeline sent again without the stats, which landed
-    the first time. A stats write Redis refuses (maxmemory) is dropped: the counters are
-    best effort, the job's write is not.
+    (`redis.client.Pipeline.load_scripts`). Those answered ``NOSCRIPT`` (a server that lost
+    its script cache) are loaded and sent again, alone: the rest ran. A stats write Redis
+    refuses (maxmemory) is dropped: the counters are best effort, the jobs' writes are not.
 
+    Returns:
+        the outcomes in the order of `calls`; a script Redis refused holds its error, so
+        one job's refused write does not hide the others' outcomes.
     Raises:
-        whatever Redis answers for the script or a read (e.g. ``OutOfMemoryError`` under
-        maxmemory), after the probe's reads and the stats have run; never a stats error.
+        whatever Redis answers for one of the probe's reads (after every script ran).
     """
     probe = probe or Probe()
-    script = scripts.script(call)
-    replies = _send(connection, script, call, probe, probe.chunk)
-    if isinstance(replies[0], NoScriptError):
-        script.sha = connection.script_load(script.script)
-        replies = _send(connection, script, call, probe, None)
+    replies = _send(connection, scripts, calls, probe, probe.chunks)
+    outcomes = replies[:len(calls)]
+    missing = [i for i, r in enumerate(outcomes) if isinstance(r, NoScriptError)]
+    if missing:
+        for script in {id(s): s for s in (scripts.script(calls[i]) for i in missing)}.values():
+            script.sha = connection.script_load(script.script)
+        again = _send(connection, scripts, [calls[i] for i in missing], Probe(), ())
+        for i, reply in zip(missing, again, strict=True):
+            outcomes[i] = reply
     n_flags = len(probe.others)
-    replies = replies[:1 + n_flags + len(probe.queue_keys)]  # the stats' replies are dropped
-    errors = [r for r in replies if isinstance(r, Exception)]
+    reads = replies[len(calls):len(calls) + n_flags + len(probe.queue_keys)]
+    errors = [r for r in reads if isinstance(r, Exception)]
     if errors:
         raise errors[0]
-    outcome, flags, lengths = replies[0], replies[1:1 + n_flags], replies[1 + n_flags:]
+    flags, lengths = reads[:n_flags], reads[n_flags:]
     return Reply(
-        outcome=outcome.decode() if isinstance(outcome, bytes) else str(outcome),
+        outcomes=[o.decode() if isinstance(o, bytes) else o if isinstance(o, Exception)
+                  else str(o) for o in outcomes],
         canceled=[j for j, flagged in zip(probe.others, flags, strict=True) if flagged],
         intake_waiting=any(n > 0 for n in lengths),
     )
 
 
-def _send(connection: Redis, script, call: Call, probe: Probe,
-          chunk: tuple[float, int] | None) -> list:
+def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Probe,
+          chunks: Sequence[tuple[float, int]]) -> list:
     with connection.pipeline(transaction=False) as pipe:
-        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        for call in calls:
+            pipe.evalsha(scripts.script(call).sha, len(call.keys), *call.keys, *call.args)
         for job_id in probe.others:
             pipe.exists(keys.cancel(job_id))
         for key in probe.queue_keys:
             pipe.llen(key)
-        if chunk is not None:
-            stats.record_chunk(pipe, *chunk)
+        if chunks:
+            stats.record_chunks(pipe, chunks)
         return pipe.execute(raise_on_error=False)  # every reply, errors included

@@ -36,7 +36,7 @@ class Step:
 @dataclass(frozen=True)
 class Admit:
     """Take one waiting job from the first of `queues` that holds one (own queue first,
-    then intake by priority) and run its first chunk."""
+    then intake by priority); its first chunk runs in the next step."""
 
     queues: list[Queue]
 
@@ -50,7 +50,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Idle:
-    """Nothing is resident: block on intake (`Scheduler.idle_queues`)."""
+    """No resident job has a chunk to run: block on intake (`Scheduler.idle_queues`)."""
 
 
 Decision = Admit | Run | Idle
@@ -63,12 +63,14 @@ class Scheduler:
     it is, in turn order, up to `max_batch_jobs` of them and `step_tokens` tokens (the
     first always, whatever its chunk's size), and each moves to the back of the order, so
     every resident job runs within ``ceil(resident / max_batch_jobs)`` steps. While fewer
-    than `max_active` are resident and their KV bytes are under `kv_budget_bytes`, a job
-    waiting in the worker's own queue or an intake queue (highest priority first) is
-    admitted between any two steps, as soon as a chunk's round trip saw one waiting
-    (`saw_intake`): a new job waits at most for the step in progress. A job that does not
-    fit goes back to the head of its intake queue, and nothing is admitted until a resident
-    job leaves.
+    than `max_active` are resident and their KV bytes are under `kv_budget_bytes`, jobs
+    waiting in the worker's own queue or an intake queue (highest priority first) are
+    admitted between any two steps, one after another while room lasts and a queue holds
+    one, as soon as a step's round trip saw one waiting (`saw_intake`). An admitted job's
+    first turn comes before every job that has run a chunk here (after those admitted
+    before it), so a new job waits at most for the step in progress, and the jobs admitted
+    together share their first step. A job that does not fit goes back to the head of its
+    intake queue, and nothing is admitted until a resident job leaves.
 
     Args:
         connection: Redis connection.
@@ -100,6 +102,7 @@ class Scheduler:
         self.refresh_s = refresh_s
         # the jobs whose KV caches this worker holds, by id, in turn order (next first)
         self.resident: OrderedDict[str, ActiveJob] = OrderedDict()
+        self.fresh: set[str] = set()  # admitted, no chunk run yet: at the head of the order
         self.intake_waiting = True  # as of the last round trip: a queue to admit from holds one
         self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
         self._intake: list[Queue] | None = None
@@ -108,24 +111,28 @@ class Scheduler:
     # -- the decision -------------------------------------------------------------------
 
     def schedule(self) -> Decision:
-        """What the worker does next: `Admit` when a job waits and there is room (checked
-        again at every decision, so a job waits at most one chunk), else `Run` the next
-        step (its jobs move to the back of the turn order), else `Idle`."""
-        if not self.resident:
-            return Idle()
+        """What the worker does next: `Admit` while a job waits and there is room (checked
+        again at every decision, so a job waits at most one step; the worker reports an
+        empty look with `saw_intake`), else `Run` the next step (its jobs move to the back
+        of the turn order), else `Idle`."""
         if self.intake_waiting:
-            queues = self.queues()
+            queues = self.queues() if self.resident else []
             if queues:
-                self.intake_waiting = False  # until the next round trip says otherwise
                 return Admit(queues)
-        return Run(self.take_turn())
+        step = self.next_step()
+        if step is None:
+            return Idle()
+        return Run(self._take(step))
 
     def next_step(self) -> Step | None:
-        """The step whose turn it is, without taking the turn (None: nothing resident)."""
+        """The step whose turn it is, without taking the turn (None: no resident job has a
+        chunk left; one whose last chunk ran is resident until its publish is recorded)."""
         jobs: list[ActiveJob] = []
         tokens = 0
         for active in self.resident.values():
             n = active.prefill.next_chunk_tokens
+            if n == 0:
+                continue
             full = len(jobs) == self.max_batch_jobs or (
                 self.step_tokens is not None and tokens + n > self.step_tokens)
             if jobs and full:
@@ -143,23 +150,33 @@ class Scheduler:
         step = self.next_step()
         if step is None:
             raise LookupError("no resident job to step")
+        return self._take(step)
+
+    def _take(self, step: Step) -> Step:
         for active in step.jobs:
             self.resident.move_to_end(active.job_id)
+            self.fresh.discard(active.job_id)
         return step
 
     def saw_intake(self, waiting: bool) -> None:
-        """A round trip read the lengths of `queue_keys`: whether any holds a job."""
+        """Whether a queue to admit from holds a job, as a step's round trip read the lengths
+        of `queue_keys` or an admission's look found it."""
         self.intake_waiting = waiting
 
     # -- the resident jobs --------------------------------------------------------------
 
     def add(self, active: ActiveJob) -> None:
-        """`active` is resident now; its turns come after the jobs already resident."""
+        """`active` is resident now; its first turn comes after the other jobs admitted and
+        not yet stepped, before the jobs that have run a chunk."""
         self.resident[active.job_id] = active
+        for job_id in [j for j in self.resident if j not in self.fresh and j != active.job_id]:
+            self.resident.move_to_end(job_id)
+        self.fresh.add(active.job_id)
 
     def remove(self, job_id: str) -> ActiveJob | None:
         """`job_id` left this worker (None if it was not resident); its room is free."""
         self.room_needed = False
+        self.fresh.discard(job_id)
         return self.resident.pop(job_id, None)
 
     @property

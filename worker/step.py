@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .hooks import JobHooks
 from .intake import not_served, read_record
 from .parked import ParkedWrites
 from .prepare import Prepared, prepare
-from .roundtrip import Probe, Reply, run_script
+from .roundtrip import Probe, Reply, run_scripts
 from .scheduler import Scheduler, Step
 from .sessions import SessionSlots
 from .settings import WorkerSettings
@@ -43,13 +44,15 @@ class Stepper:
     fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, validated and
     planned (`worker.prepare`), its cache allocated, and it is taken atomically
     (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan recorded at its first
-    start is reused by every later one); then its first chunk runs, and the next step's
-    chunk is launched on the device (`launch_next`) so RQ's bookkeeping overlaps it. Later
-    chunks run in the steps the scheduler picks (`worker.scheduler`, `run`). After every
-    chunk one round trip (`worker.roundtrip`) records the cursor or publishes the logits
-    (one fenced script; canceled wins), counts the chunk (`jobs.stats`), and reads the other
-    jobs' cancel flags and whether intake holds a job. KV checkpoints and session slots
-    follow each job through `worker.hooks.JobHooks`.
+    start is reused by every later one). Its chunks run in the steps the scheduler picks
+    (`worker.scheduler`, `run`), several jobs' chunks to a step where ``max_batch_jobs``
+    allows. Steps are pipelined: step k + 1 is launched on the device before step k's one
+    round trip (`worker.roundtrip`), which records every stepped job's cursor or publishes
+    its logits (a fenced script each; canceled wins), counts the chunks (`jobs.stats`), and
+    reads the other jobs' cancel flags and whether intake holds a job. A launched chunk
+    reaches a cache, slot, checkpoint or result only once it evaluated and its job is still
+    resident; a job that leaves first abandons it. KV checkpoints and session slots follow
+    each job through `worker.hooks.JobHooks`.
 
     Every transition is fenced on (worker, attempt) (`jobs.scripts`). A write Redis refuses
     (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``, or, when
@@ -60,7 +63,7 @@ class Stepper:
         name: the worker's name (the fencing token's worker part).
         models: loaded models by registry name.
         scheduler: the worker's scheduler: it owns the resident jobs and their turns, and
-            names the queues whose lengths ride along with every chunk's round trip.
+            names the queues whose lengths ride along with every step's round trip.
         settings: the worker's settings (its chunk cap, TTLs and limits are used here).
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
@@ -86,33 +89,88 @@ class Stepper:
     # -- the chunk step -----------------------------------------------------------------
 
     def admit(self, job_id: str) -> None:
-        """Start `job_id` and run its first chunk (the body of ``advance_prefill``, the one
-        RQ execution of a job); its later chunks run in the steps the scheduler picks
-        (`run`). A write Redis refuses fails or parks this job, never the worker."""
+        """Start `job_id` (the body of ``advance_prefill``, the one RQ execution of a job):
+        it is resident then and its first chunk runs in the next step the scheduler picks
+        (`run`), with the other jobs admitted before it. A write Redis refuses fails or
+        parks this job, never the worker."""
         if job_id in self.active:  # a stray execution: the resident loop owns this job
             log.debug("job %s is resident already", job_id)
             return
         self._guarded(job_id, self._admit, job_id)
+
+    def _admit(self, job_id: str) -> None:
+        active = self.start(job_id)
+        if active is not None and active.prefill.done:  # an exact session hit: no chunk
+            reply = self.publish([active], Probe(queue_keys=self.scheduler.queue_keys()))
+            self.scheduler.saw_intake(reply.intake_waiting)
+
+    def run(self, step: Step) -> None:
+        """Run one chunk of each job of `step` (the scheduler's `Run`), pipelined as
+        ``Prefill.run`` is: the step's chunks are launched (one packed forward pass where
+        the model packs, `Prefill.launch_all`; as a rule the previous step's `run` launched
+        them already), waited for and committed; the final logits of the jobs they complete
+        are computed and due KV checkpoints copied; then the next step is launched
+        (`launch_next`), so the device computes it while one Redis round trip records this
+        one (`record_step`)."""
+        Prefill.launch_all([active.prefill for active in step.jobs])
+        landed = [(active, n) for active in step.jobs if (n := self._land(active))]
+        done = [active for active, _ in landed if active.prefill.done]
+        logits = dict(zip([a.job_id for a in done],
+                          Prefill.logits_of([a.prefill for a in done]), strict=True))
+        for active, _ in landed:
+            if not active.prefill.done:
+                for hook in self.hooks:  # a checkpoint copies its rows before the next launch
+                    hook.chunk_done(active)
         self.launch_next()
+        self.record_step(landed, logits)
 
     def launch_next(self) -> None:
         """Start the step whose turn it is on the device without waiting
-        (`Prefill.launch_all`), so what runs before it is run (RQ's bookkeeping of an admission)
-        overlaps its forward pass instead of leaving the device idle. The turn order and
-        what the last round trip decided are unchanged."""
+        (`Prefill.launch_all`), so what runs before it is run (the round trip of the step
+        before, admissions) overlaps its forward pass. The turn order is unchanged; a job
+        that leaves first abandons its launched chunk (`drop`)."""
         step = self.scheduler.next_step()
         if step is not None:
             Prefill.launch_all([active.prefill for active in step.jobs])
 
-    def run(self, step: Step) -> None:
-        """Run one chunk of each job of `step` (the scheduler's `Run`): every chunk is
-        launched on the device first, in one packed forward pass where the model packs
-        (`Prefill.launch_all`), so each job's round trip overlaps the rest of the step; a
-        job a round trip ended (a cancel seen) is skipped, its launched chunk abandoned."""
-        Prefill.launch_all([active.prefill for active in step.jobs])
-        for active in step.jobs:
-            if active.job_id in self.active:  # an earlier job's round trip may cancel it
-                self._guarded(active.job_id, self._run_chunk, active)
+    def _land(self, active: ActiveJob) -> int | None:
+        """Wait for `active`'s launched chunk and commit it; returns its tokens, or None
+        when it failed (the job is handed back or failed: `chunk_failed`)."""
+        p = active.prefill
+        try:
+            n = p.step()
+        except Exception as error:  # the job's boundary: record it, keep serving
+            self._guarded(active.job_id, self.chunk_failed, active, error)
+            return None
+        dt = max(p.last_chunk_seconds, 1e-9)  # a launched chunk: from its launch
+        log.info(
+            "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
+            active.job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
+        )
+        return n
+
+    def record_step(self, landed: list[tuple[ActiveJob, int]],
+                    logits: dict[str, np.ndarray]) -> None:
+        """One round trip for a step's `landed` chunks, ``(job, tokens)`` each: every job's
+        progress, or its publish where `logits` holds its final logits, the chunks' stats,
+        the other resident jobs' cancel flags and whether intake holds a job (`record`); a
+        job canceled meanwhile is then released, within one step of its cancel."""
+        if not landed:
+            return
+        stepped = {active.job_id for active, _ in landed}
+        probe = Probe(others=[j for j in self.active if j not in stepped],
+                      queue_keys=self.scheduler.queue_keys(),
+                      chunks=[(max(active.prefill.last_chunk_seconds, 1e-9), n)
+                              for active, n in landed])
+        reply = self.record([active for active, _ in landed], probe, logits)
+        self.scheduler.saw_intake(reply.intake_waiting)
+        for other in reply.canceled:
+            if other in self.active:
+                self.advance_cancel(self.active[other])
+
+    def advance_cancel(self, active: ActiveJob) -> None:
+        """Record `canceled` for a resident job (its own refused write parks it only)."""
+        self.record([active])
 
     def _guarded(self, job_id: str, step, *args) -> None:
         try:
@@ -121,46 +179,6 @@ class Stepper:
             if not refused_write(error):
                 raise
             self._refused(job_id, error)
-
-    def _admit(self, job_id: str) -> None:
-        active = self.start(job_id)
-        if active is None:
-            return
-        if active.prefill.done:  # an exact session hit: no forward pass to run
-            reply = self.publish(active, Probe(queue_keys=self.scheduler.queue_keys()))
-            self.scheduler.saw_intake(reply.intake_waiting)
-            return
-        self._run_chunk(active)
-
-    def _run_chunk(self, active: ActiveJob) -> None:
-        """One chunk of `active`, then its checkpoint or publish in one round trip that also
-        counts the chunk (its wall seconds, logged here, and tokens) and brings back the
-        other resident jobs' cancel flags and whether intake is waiting."""
-        job_id, p = active.job_id, active.prefill
-        try:
-            n = p.step()
-        except Exception as error:  # the job's boundary: record it, keep serving
-            self.chunk_failed(active, error)
-            return
-        dt = max(p.last_chunk_seconds, 1e-9)  # a launched chunk: from its launch
-        log.info(
-            "job %s chunk %d: %d/%d tokens, %.0f ms, %.0f tok/s",
-            job_id, p.chunks_done, p.cursor, p.n_tokens, dt * 1e3, n / dt,
-        )
-        probe = Probe(others=[j for j in self.active if j != job_id],
-                      queue_keys=self.scheduler.queue_keys(), chunk=(dt, n))
-        reply = self.publish(active, probe) if p.done else self.record_progress(active, probe)
-        self.scheduler.saw_intake(reply.intake_waiting)
-        if job_id in self.active:
-            for hook in self.hooks:
-                hook.chunk_done(active)
-        for other in reply.canceled:  # released within one chunk time of the cancel
-            if other in self.active:
-                self.advance_cancel(self.active[other])
-
-    def advance_cancel(self, active: ActiveJob) -> None:
-        """Record `canceled` for a resident job (its own refused write parks it only)."""
-        self._guarded(active.job_id, self.record_progress, active)
 
     # -- start --------------------------------------------------------------------------
 
@@ -248,25 +266,59 @@ class Stepper:
     def _fence(self, active: ActiveJob) -> Fence:
         return Fence(self.name, active.attempt)
 
-    def record_progress(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
-        """Record progress (fenced; canceled wins), with `probe`'s reads in the same round
-        trip. On ``canceled`` or ``fenced`` the job is dropped here."""
+    def record(self, jobs: list[ActiveJob], probe: Probe | None = None,
+               logits: dict[str, np.ndarray] | None = None) -> Reply:
+        """Record each of `jobs`' progress, or publish its final logits and ``finished``
+        where `logits` has them (float32 ``(vocab,)`` by job id), fenced, canceled winning,
+        in one round trip with `probe`'s reads (`worker.roundtrip.run_scripts`). A job whose
+        script ended it (``finished``, ``canceled``) or found it fenced is dropped here; one
+        whose write Redis refused is failed or parked (`_refused`), the others recorded.
+
+        Raises:
+            the first Redis error other than a refused write (after the rest are handled).
+        """
+        logits = logits or {}
+        calls = [self._publish_call(a, logits[a.job_id]) if a.job_id in logits
+                 else self._progress_call(a) for a in jobs]
+        reply = run_scripts(self.connection, self.scripts, calls, probe)
+        error, refused, leaving = None, [], []
+        for active, outcome in zip(jobs, reply.outcomes, strict=True):
+            p = active.prefill
+            if isinstance(outcome, Exception):
+                if refused_write(outcome):
+                    refused.append((active.job_id, outcome))
+                else:
+                    error = error or outcome
+            elif active.job_id in logits:
+                leaving.append((active, stats.terminal(outcome)))
+                log.info("job %s %s: %d tokens in %d chunks, %.2f s", active.job_id, outcome,
+                         p.n_tokens, p.chunks_done, now() - active.first_started_at)
+            elif outcome != "continue":
+                log.info("job %s %s at %d/%d", active.job_id, outcome, p.cursor, p.n_tokens)
+                leaving.append((active, stats.terminal(outcome)))
+        if leaving:
+            self.leave(leaving)
+        for job_id, refusal in refused:
+            self._refused(job_id, refusal)
+        if error is not None:
+            raise error
+        return reply
+
+    def publish(self, jobs: list[ActiveJob], probe: Probe | None = None) -> Reply:
+        """Publish the final logits and ``finished`` of `jobs`, whose prefills are done
+        (`record`)."""
+        logits = Prefill.logits_of([a.prefill for a in jobs])
+        return self.record(jobs, probe, dict(zip([a.job_id for a in jobs], logits, strict=True)))
+
+    def _progress_call(self, active: ActiveJob):
         p = active.prefill
-        call = scripts.progress(
+        return scripts.progress(
             active.job_id, self._fence(active), now=now(), ttl_s=self.result_ttl_s,
             cursor=p.cursor, chunks_done=p.chunks_done, n_tokens=p.n_tokens,
             recovery_position=p.plan.recovery_position)
-        reply = run_script(self.connection, self.scripts, call, probe)
-        if reply.outcome != "continue":
-            log.info("job %s %s at %d/%d", active.job_id, reply.outcome, p.cursor, p.n_tokens)
-            self.drop(active, ended=stats.terminal(reply.outcome))
-        return reply
 
-    def publish(self, active: ActiveJob, probe: Probe | None = None) -> Reply:
-        """Publish the final logits and ``finished`` (fenced; canceled wins), with `probe`'s
-        reads in the same round trip."""
+    def _publish_call(self, active: ActiveJob, logits: np.ndarray):
         p = active.prefill
-        logits = p.logits()
         finished = now()
         prefill_s = max(finished - active.first_started_at, 1e-9)
         full = b""
@@ -280,11 +332,7 @@ class Stepper:
         if self.faults is not None:
             self.faults.pause("before_publish", job_id=active.job_id, n_tokens=p.n_tokens,
                               attempt=active.attempt)
-        reply = run_script(self.connection, self.scripts, call, probe)
-        self.drop(active, ended=stats.terminal(reply.outcome))
-        log.info("job %s %s: %d tokens in %d chunks, %.2f s",
-                 active.job_id, reply.outcome, p.n_tokens, p.chunks_done, prefill_s)
-        return reply
+        return call
 
     def fail(self, job_id: str, fence: Fence, error_type: str, message: str) -> None:
         """Record ``failed`` with ``error.type`` `error_type` (fenced) and forget the job."""
@@ -293,7 +341,7 @@ class Stepper:
                                                 error_type=error_type, message=message))
         ended = stats.terminal(outcome)
         active = self.scheduler.remove(job_id)
-        self._forget(job_id, ended=ended)
+        self._forget([job_id], [ended] if ended else [])
         if active is not None:
             for hook in self.hooks:
                 hook.leaving(active, ended)
@@ -341,31 +389,42 @@ class Stepper:
 
     def drop(self, active: ActiveJob, *, deregister: bool = True,
              ended: JobState | None = None) -> None:
-        """Forget `active` here: a chunk launched for it is abandoned, room is made for the
-        next job, a job that `ended` (its script's terminal state) is counted, and then the
-        hooks see it leave (its cache released or kept as its session's slot at its last
-        committed chunk; an ended job's checkpoints deleted). The count comes first, so it is
-        in Redis within a round trip of the transition a client waits on."""
-        active.prefill.abandon()
-        self.scheduler.remove(active.job_id)
-        try:
-            if deregister or ended:
-                self._forget(active.job_id, deregister=deregister, ended=ended)
-        finally:
-            for hook in self.hooks:
-                hook.leaving(active, ended)
+        """Forget `active` here, having `ended` (its script's terminal state) or not
+        (`leave`)."""
+        self.leave([(active, ended)], deregister=deregister)
 
-    def _forget(self, job_id: str, *, deregister: bool = True,
-                ended: JobState | None = None) -> None:
-        # One round trip: the held-jobs SREM and the end's count, which is best effort (a
+    def leave(self, leaving: list[tuple[ActiveJob, JobState | None]], *,
+              deregister: bool = True) -> None:
+        """Forget each job of `leaving`, ``(job, terminal state or None)``, here: a chunk
+        launched for it is abandoned, room is made for the next job, and in one round trip
+        it leaves this worker's held jobs (unless not `deregister`) and a job that ended is
+        counted; then the hooks see it leave (its cache released or kept as its session's
+        slot at its last committed chunk; an ended job's checkpoints deleted). The count
+        comes first, so it is in Redis within a round trip of the transition a client waits
+        on."""
+        for active, _ in leaving:
+            active.prefill.abandon()
+            self.scheduler.remove(active.job_id)
+        try:
+            self._forget([active.job_id for active, _ in leaving] if deregister else [],
+                         [ended for _, ended in leaving if ended])
+        finally:
+            for active, ended in leaving:
+                for hook in self.hooks:
+                    hook.leaving(active, ended)
+
+    def _forget(self, job_ids: list[str], ended: list[JobState]) -> None:
+        # One round trip: the held-jobs SREM and the ends' counts, which are best effort (a
         # count Redis refuses is dropped; the SREM, a deletion, is never refused).
+        if not job_ids and not ended:
+            return
         with self.connection.pipeline(transaction=False) as pipe:
-            if deregister:
-                pipe.srem(keys.worker_jobs(self.name), job_id)
-            if ended:
-                stats.record_terminal(pipe, ended)
+            if job_ids:
+                pipe.srem(keys.worker_jobs(self.name), *job_ids)
+            for state, n in Counter(ended).items():
+                stats.record_terminal(pipe, state, n)
             replies = pipe.execute(raise_on_error=False)
-        if deregister and isinstance(replies[0], Exception):
+        if job_ids and isinstance(replies[0], Exception):
             raise replies[0]
 
     # -- writes Redis refused -------------------------------------------------------------

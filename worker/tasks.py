@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def advance_prefill(job_id: str) -> None:
-    """Admit prefill job `job_id` on the worker running this RQ job and run its first chunk;
-    the worker's own loop runs the rest (`worker.step`).
+    """Admit prefill job `job_id` on the worker running this RQ job; the worker's own loop
+    runs its chunks (`worker.step`).
 
     Args:
         job_id: prefillq job id (the key of its Redis record), not the RQ job id.

@@ -171,7 +171,7 @@ class PrefillWorker(SimpleWorker):
         self.liveness.register_models()
 
     def advance(self, job_id: str) -> None:
-        """Admit `job_id` and run its first chunk (the body of ``advance_prefill``)."""
+        """Admit `job_id` (the body of ``advance_prefill``); its chunks run in the steps."""
         self.stepper.admit(job_id)
 
     def hand_back_active(self) -> None:
@@ -215,6 +215,7 @@ class PrefillWorker(SimpleWorker):
                 admitted = self._dequeue(decision.queues)
                 if admitted is not None:
                     return admitted
+                self.prefill_scheduler.saw_intake(False)  # until a round trip sees one
                 continue
             if isinstance(decision, Run):
                 if self.get_state() != WorkerStatus.BUSY:  # a SIGTERM now waits for the chunk
@@ -224,7 +225,9 @@ class PrefillWorker(SimpleWorker):
                 continue
             assert isinstance(decision, Idle)
             try:
-                return self._block_on_intake(timeout, max_idle_time)
+                admitted = self._block_on_intake(timeout, max_idle_time)
+                self.prefill_scheduler.saw_intake(admitted is not None)  # more may wait
+                return admitted
             except Exception as error:
                 if not refused_write(error):
                     raise

@@ -20,7 +20,7 @@ def conn():
 def record(conn, *chunks: tuple[float, int]) -> None:
     with conn.pipeline(transaction=False) as pipe:
         for seconds, tokens in chunks:
-            stats.record_chunk(pipe, seconds, tokens)
+            stats.record_chunks(pipe, [(seconds, tokens)])
         pipe.execute()
 
 
@@ -66,10 +66,22 @@ def test_bucket_counts_are_cumulative_and_end_at_the_count(conn):
 
 def test_one_chunk_costs_three_commands_on_the_stats_hash_only(conn):
     with conn.pipeline(transaction=False) as pipe:
-        stats.record_chunk(pipe, 0.02, 16)
+        stats.record_chunks(pipe, [(0.02, 16)])
         assert len(pipe.command_stack) == stats.COMMANDS_PER_CHUNK == 3
         assert {args[1] for args, _ in pipe.command_stack} == {keys.STATS}
         pipe.execute()
+
+
+def test_a_steps_chunks_cost_a_command_per_bucket_and_count_as_one_by_one(conn):
+    chunks = [(0.02, 16), (0.02, 7), (0.3, 5), (0.021, 1)]
+    with conn.pipeline(transaction=False) as pipe:
+        stats.record_chunks(pipe, chunks)
+        assert len(pipe.command_stack) == 2 + 2  # tokens, seconds, two buckets
+        pipe.execute()
+    together = read_cluster_stats_sync(conn)
+    conn.flushall()
+    record(conn, *chunks)
+    assert read_cluster_stats_sync(conn) == together
 
 
 def test_terminal_states_count_apart_and_nothing_else_is_terminal(conn):

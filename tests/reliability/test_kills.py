@@ -115,3 +115,27 @@ def holding(client: PrefillClient, live: list) -> list:
 
 def all_ended(client: PrefillClient, jobs) -> bool:
     return all(client.status(j).state.is_terminal for j in jobs)
+
+
+def test_a_kill_inside_a_step_of_several_jobs_ends_each_job_once(server, workers, events,
+                                                                  tiny):
+    """A worker stepping four jobs together dies between its step's forward pass and its
+    round trip (the shortest job pauses before its publish, the others' chunks are landed
+    and the next step is launched): every job is requeued and ends once, exactly."""
+    client = PrefillClient.from_url(server.url)
+    packed = ("--max-batch-jobs", "4", "--max-active", "4")
+    first = workers("p1", *packed, faults="pause_before_publish:tokens=11:attempts=1")
+    jobs = {}
+    for n, seed in ((40, 21), (11, 22), (36, 23), (44, 24)):  # 10, 3, 9 and 11 chunks of 4
+        token_ids = ids(n, seed)
+        jobs[client.submit(tokens=token_ids, model=MODEL, top_k=1, logits="full")] = token_ids
+    short = list(jobs)[1]
+    dead = kill_when_paused([first], short, "before_publish")
+    held = [j for j in jobs if client.status(j).worker == dead.name]
+    assert held == list(jobs), "the four jobs were on the killed worker"
+    assert all(client.status(j).state == JobState.PREFILLING for j in jobs)
+    survivor = workers("p2", *packed)
+    ended = assert_ended_once(client, events, jobs, tiny)
+    assert set(ended.values()) == {"finished"}
+    assert all(client.status(j).attempts == 2 for j in jobs)
+    assert survivor.proc.poll() is None

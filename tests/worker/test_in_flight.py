@@ -1,11 +1,11 @@
 """A chunk launched and not yet stepped when its job ends never reaches a slot, a checkpoint
 or a result.
 
-After admitting a job the worker launches the next resident job's chunk on the device
-(`Stepper.launch_next`) before stepping it. These tests end that job while its chunk is in
-flight, deterministically: admit Y (its next chunk is launched), act on Y, then admit X, whose
-round trip reads Y's cancel flag. The tiny Gemma 3 has a 16-token window and runs 16-token
-chunks, so a launched chunk rewrites the whole ring of every sliding layer.
+A worker launches the next step's chunks on the device before the round trip of the step
+that ran (`Stepper.run`). These tests end a job while its chunk is in flight,
+deterministically: run a step of Y (its next chunk is launched), act on Y, then run a step
+of X, whose round trip reads Y's cancel flag. The tiny Gemma 3 has a 16-token window and
+runs 16-token chunks, so a launched chunk rewrites the whole ring of every sliding layer.
 """
 
 from __future__ import annotations
@@ -29,15 +29,27 @@ def relative_diff(result, tiny, token_ids) -> float:
     return diff / float(np.abs(expected).max())
 
 
-def launch_and_cancel(worker, client, job: str) -> None:
-    """Admit `job` (its next chunk is launched), cancel it, and admit another job, whose
-    round trip brings the cancel back: `job` is dropped with its chunk in flight."""
-    other = client.submit(tokens=ids(40, 3), model=MODEL, top_k=3)
-    worker.stepper.admit(job)
+def run_a_step(worker) -> None:
+    worker.stepper.run(worker.prefill_scheduler.take_turn())
+
+
+def admit_and_step(worker, job: str):
+    """Admit `job` and run its first step: its next chunk is launched. Returns its prefill."""
+    worker.advance(job)
+    run_a_step(worker)
     prefill = worker.active[job].prefill
     assert prefill.launched and prefill.cache.in_flight == 16
+    return prefill
+
+
+def launch_and_cancel(worker, client, job: str) -> None:
+    """Run a step of `job` (its next chunk is launched), cancel it, and run a step of another
+    job, whose round trip brings the cancel back: `job` is dropped with its chunk in flight."""
+    prefill = admit_and_step(worker, job)
     client.cancel(job)
-    worker.stepper.admit(other)
+    other = client.submit(tokens=ids(40, 3), model=MODEL, top_k=3)
+    worker.advance(other)
+    run_a_step(worker)  # the new job's first turn comes first
     assert job not in worker.active and client.status(job).state == JobState.CANCELED
     assert not prefill.launched and prefill.cache.in_flight == 0
 
@@ -86,9 +98,8 @@ def test_a_session_turn_handed_back_with_a_chunk_in_flight_keeps_its_last_commit
     worker.work(burst=True, logging_level="WARNING")
     second_ids = HISTORY + ids(81, 12)[1:]
     second = client.submit(tokens=second_ids, model=MODEL, top_k=3, session="chat")
-    worker.stepper.admit(second)
+    admit_and_step(worker, second)
     slot = worker.active[second].slot
-    assert worker.active[second].prefill.launched
     worker.hand_back_active()
     assert slot.cache.in_flight == 0 and slot.cache.position == len(slot.committed) == 216
     worker.work(burst=True, logging_level="WARNING")  # the handed-back turn, from the slot
@@ -103,8 +114,7 @@ def test_a_checkpointed_job_handed_back_with_a_chunk_in_flight_resumes_exactly(s
     worker, client = setup(max_active=3, checkpoint_every="1")
     token_ids = ids(100, 5)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    worker.stepper.admit(job)
-    assert worker.active[job].prefill.launched
+    admit_and_step(worker, job)
     worker.hand_back_active()
     assert client.status(job).state == JobState.QUEUED
     worker.work(burst=True, logging_level="WARNING")

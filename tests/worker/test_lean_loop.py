@@ -125,34 +125,37 @@ def test_an_idle_worker_sees_a_new_priority_within_one_wait(server, tiny):
     assert_logits_match(done["result"], tiny, ids(40, 5))
 
 
-def test_an_admission_launches_the_chunk_whose_turn_is_next(setup, tiny):
-    """RQ's bookkeeping of an admission overlaps a forward pass: the chunk of the resident
-    job whose turn comes next is on the device when the execution returns; turns keep
-    their order and every result stays exact."""
+def test_a_step_launches_the_next_step_before_its_round_trip(setup, tiny):
+    """Steps are pipelined: once a step's chunks landed, the chunk of the job whose turn
+    comes next is on the device while the step's round trip runs; turns keep their order
+    and every result stays exact."""
     worker, client = setup()
     first_ids, second_ids = ids(80, 3), ids(70, 4)
     first = client.submit(tokens=first_ids, model=MODEL, top_k=3)
-    worker.advance(first)  # the body of the job's one RQ execution
-    assert worker.active[first].prefill.cursor == CHUNK
-    assert worker.active[first].prefill.launched  # its own second chunk: it is alone
     second = client.submit(tokens=second_ids, model=MODEL, top_k=3)
+    worker.advance(first)  # the body of each job's one RQ execution: no chunk runs there
     worker.advance(second)
-    assert list(worker.active) == [first, second]  # first's turn is next
-    assert worker.active[first].prefill.launched
-    assert not worker.active[second].prefill.launched
+    assert list(worker.active) == [first, second]  # admitted in this order
+    assert not any(a.prefill.launched or a.prefill.cursor for a in worker.active.values())
+    worker.stepper.run(worker.prefill_scheduler.take_turn())
+    assert worker.active[first].prefill.cursor == CHUNK
+    assert client.status(first).cursor == CHUNK  # recorded by the step's round trip
+    assert worker.active[second].prefill.launched  # second's turn is next
+    assert not worker.active[first].prefill.launched
     worker.work(burst=True, logging_level="WARNING")
     assert_logits_match(client.result(first, timeout=0), tiny, first_ids)
     assert_logits_match(client.result(second, timeout=0), tiny, second_ids)
 
 
 def test_a_hand_back_finishes_a_launched_chunk_and_checkpoints_it(setup, tiny):
-    """SIGTERM right after an admission: the chunk launched for the next turn is finished
-    and checkpointed before the job goes back, so another worker resumes after it."""
+    """SIGTERM right after a step: the chunk launched for the next turn is finished and
+    checkpointed before the job goes back, so another worker resumes after it."""
     worker, client = setup(checkpoint_every="3600s")  # only the hand-back's checkpoint
     token_ids = ids(80, 5)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3)
-    worker.advance(job)  # the first chunk is done, the second launched
-    assert worker.active[job].prefill.launched
+    worker.advance(job)
+    worker.stepper.run(worker.prefill_scheduler.take_turn())
+    assert worker.active[job].prefill.launched  # the first chunk is done, the second launched
     worker.hand_back_active()
     assert int(client.redis.hget(keys.job(job), "checkpoint_cursor")) == 2 * CHUNK
     other, _ = setup(name="w2")

@@ -77,10 +77,40 @@ def test_schedule_admits_when_a_job_waits_else_runs_else_idles(make, tiny):
     scheduler.saw_intake(True)
     decision = scheduler.schedule()
     assert isinstance(decision, Admit) and decision.queues[0] == scheduler.own
-    decision = scheduler.schedule()  # admission is asked for once per round trip that saw one
+    assert isinstance(scheduler.schedule(), Admit)  # admitting goes on while one waits
+    scheduler.saw_intake(False)  # an admission's look found none
+    decision = scheduler.schedule()
     assert isinstance(decision, Run) and [a.job_id for a in decision.step.jobs] == ["a"]
     with pytest.raises(LookupError):
         make().take_turn()
+
+
+def test_nothing_is_admitted_past_max_active(make, tiny):
+    scheduler = make(max_active=2)
+    resident(scheduler, tiny, {"a": 16, "b": 16})
+    scheduler.saw_intake(True)
+    assert isinstance(scheduler.schedule(), Run)
+
+
+def test_admitted_jobs_share_their_first_step_before_the_jobs_that_ran(make, tiny):
+    scheduler = make(max_batch_jobs=2)
+    resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16})
+    assert turns(scheduler, 1) == [("a", "b")]
+    resident(scheduler, tiny, {"d": 16})  # after c, admitted before it and not stepped yet
+    assert turns(scheduler, 1) == [("c", "d")]
+    resident(scheduler, tiny, {"new": 16, "newer": 16})  # admitted in this order
+    assert turns(scheduler, 3) == [("new", "newer"), ("a", "b"), ("c", "d")]
+
+
+def test_a_job_whose_last_chunk_ran_takes_no_turn(make, tiny):
+    scheduler = make(max_batch_jobs=2)
+    resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16}, n_tokens=16)
+    for active in scheduler.take_turn().jobs:
+        active.prefill.run()
+    assert [a.job_id for a in scheduler.next_step().jobs] == ["c"]
+    scheduler.take_turn().jobs[0].prefill.run()
+    scheduler.saw_intake(False)
+    assert scheduler.next_step() is None and isinstance(scheduler.schedule(), Idle)
 
 
 def test_a_bad_step_tokens_is_refused(make):

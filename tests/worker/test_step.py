@@ -58,13 +58,15 @@ def test_the_first_start_records_the_chunk_plan(setup):
     assert record.chunk_plan == [16, 32, 40]
 
 
-@pytest.mark.parametrize("checkpoint_every, resumed_from", [("none", None), ("10s", 32)])
+# A checkpointed hand-back finishes the chunk launched behind the second (the third, to 48)
+@pytest.mark.parametrize("checkpoint_every, resumed_from", [("none", None), ("10s", 48)])
 def test_a_handed_back_job_keeps_its_chunk_boundaries_on_another_worker(
     setup, on_chunk, tiny, checkpoint_every, resumed_from
 ):
     """Worker A (16-token chunks) is stopped as by SIGTERM after two chunks; worker B
     (5-token chunks) continues the job at the recorded 16-token boundaries: from 0 without
-    checkpoints, else from the last checkpoint A wrote as it handed the job back."""
+    checkpoints, else from the checkpoint A wrote as it handed the job back, after the
+    chunk it had launched."""
     a, client = setup(name="wa", chunk_tokens=16, checkpoint_every=checkpoint_every)
     token_ids = ids(100, 4)
     job = client.submit(tokens=token_ids, model=MODEL, logits="full", top_k=5)

@@ -1,0 +1,167 @@
+"""Steps of several jobs through a real worker (`Stepper.run` with ``max_batch_jobs`` > 1):
+one Redis round trip per step, jobs of mixed lengths, a cancel inside a step, a session turn
+and a prompt-logprobs job sharing steps with others; every job gets the logits it gets alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from jobs import JobState, PrefillClient
+from worker.settings import WorkerSettings
+from worker.worker import PrefillWorker
+
+from .helpers import MODEL, assert_logits_match, ids
+
+
+class CountingConnection(redis.Connection):
+    """redis-py's connection, counting the requests it sends: one per command, one per
+    pipeline (its commands go out together, one round trip)."""
+
+    sent = 0
+
+    def send_packed_command(self, command, check_health=True):
+        CountingConnection.sent += 1
+        return super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def counted(redis_server, tiny):
+    def make(**settings) -> tuple[PrefillWorker, PrefillClient]:
+        redis.Redis.from_url(redis_server).flushall()
+        # a heartbeat TTL far above the test: no intake priorities re-read inside a step
+        worker = PrefillWorker(
+            {MODEL: tiny},
+            redis.Redis.from_url(redis_server, connection_class=CountingConnection),
+            WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=3600, **settings), name="w1")
+        worker.register_models()
+        return worker, PrefillClient(redis.Redis.from_url(redis_server))
+
+    return make
+
+
+def round_trips_of_a_step(worker) -> tuple[int, tuple[str, ...]]:
+    """Run the step whose turn it is; returns the requests it sent and its jobs."""
+    step = worker.prefill_scheduler.take_turn()
+    before = CountingConnection.sent
+    worker.stepper.run(step)
+    return CountingConnection.sent - before, tuple(a.job_id for a in step.jobs)
+
+
+def test_a_step_of_several_jobs_costs_one_round_trip_and_two_when_jobs_end(counted, tiny):
+    worker, client = counted(max_batch_jobs=4, max_active=4)
+    client.submit(tokens=ids(40, 59), model=MODEL)  # loads the scripts into the server
+    worker.work(burst=True, logging_level="WARNING")
+    lengths = (40, 33, 64, 20)  # 3, 3, 4 and 2 chunks of 16
+    token_ids = [ids(n, 60 + i) for i, n in enumerate(lengths)]
+    jobs = [client.submit(tokens=t, model=MODEL, top_k=3) for t in token_ids]
+    for job in jobs:
+        worker.advance(job)
+    assert round_trips_of_a_step(worker) == (1, tuple(jobs))  # every job's first chunk
+    # second chunks: the 20-token job ends (its publish, then one for all that left)
+    assert round_trips_of_a_step(worker) == (2, tuple(jobs))
+    assert client.status(jobs[3]).state == JobState.FINISHED
+    assert [client.status(j).cursor for j in jobs[:3]] == [32, 32, 32]
+    assert round_trips_of_a_step(worker) == (2, tuple(jobs[:3]))  # 40 and 33 end
+    assert round_trips_of_a_step(worker) == (2, (jobs[2],))
+    assert worker.active == {}
+    for job, t in zip(jobs, token_ids, strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny, t)
+
+
+def test_jobs_of_mixed_lengths_share_steps_and_keep_the_wait_bound(setup, on_chunk, tiny):
+    """Short jobs arriving behind long ones run in the next step, beside them."""
+    worker, client = setup(max_batch_jobs=4, max_active=6)
+    longs = [client.submit(tokens=ids(160, s), model=MODEL, top_k=3) for s in (1, 2)]
+    shorts: list[str] = []
+    short_ids = [ids(n, 10 + n) for n in (7, 16, 30, 12)]
+    arrived = []
+
+    def shorts_arrive(job_id, chunk_no):
+        if job_id == longs[1] and chunk_no == 2 and not shorts:
+            shorts.extend(client.submit(tokens=t, model=MODEL, top_k=3) for t in short_ids)
+            arrived.append(len(log.order))
+
+    log = on_chunk(shorts_arrive)
+    worker.work(burst=True)
+    # the step in progress when they arrived, then one step of all four new jobs
+    first = min(log.order.index(j) for j in shorts)
+    assert first - arrived[0] <= 2  # the rest of the step in progress: longs[1]'s chunk
+    assert log.order[first:first + 4] == shorts
+    for job, t in zip(shorts, short_ids, strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny, t)
+    for job, seed in zip(longs, (1, 2), strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny, ids(160, seed))
+
+
+def test_a_job_canceled_inside_a_step_runs_no_further_chunk(setup, on_chunk, tiny):
+    """b is canceled while its chunk is in the step's forward pass: the step's round trip
+    records that chunk and ends b, its next chunk (launched before the round trip) is
+    abandoned, and the other jobs of the step finish with their logits alone."""
+    worker, client = setup(max_batch_jobs=3)
+    token_ids = [ids(n, 70 + n) for n in (64, 64, 48)]
+    a, b, c = [client.submit(tokens=t, model=MODEL, top_k=3) for t in token_ids]
+    prefills = {}
+
+    def cancel_b_in_the_first_step(job_id, chunk_no):
+        if job_id == a and chunk_no == 1:
+            prefills["b"] = worker.active[b].prefill
+            assert prefills["b"].launched  # in a's forward pass, not landed yet
+            client.cancel(b)
+
+    log = on_chunk(cancel_b_in_the_first_step)
+    worker.work(burst=True)
+    assert log.order.count(b) == 1  # the chunk it was in; no step after
+    status = client.status(b)
+    assert (status.state, status.cursor, status.chunks_done) == (JobState.CANCELED, 16, 1)
+    assert not prefills["b"].launched and prefills["b"].cache.in_flight == 0
+    for job, t in ((a, token_ids[0]), (c, token_ids[2])):
+        assert_logits_match(client.result(job, timeout=0), tiny, t)
+
+
+def test_a_session_turn_shares_steps_and_reuses_its_slot_exactly(setup, on_chunk, tiny):
+    worker, client = setup(max_batch_jobs=3, max_active=3)
+    history = ids(200, 5)  # a prefix long enough to be reused (not run cold again)
+    first = client.submit(tokens=history, model=MODEL, top_k=3, session="chat")
+    others = [client.submit(tokens=ids(50, s), model=MODEL, top_k=3) for s in (6, 7)]
+    worker.work(burst=True, logging_level="WARNING")
+    turn_ids = history + ids(41, 8)[1:]
+    turn = client.submit(tokens=turn_ids, model=MODEL, top_k=3, session="chat")
+    more = [client.submit(tokens=ids(45, s), model=MODEL, top_k=3) for s in (9, 10)]
+    beside = []
+
+    def others_in_the_turns_step(job_id, chunk_no):
+        if job_id == turn and chunk_no == 1:
+            beside.extend(worker.active[j].prefill.launched for j in more)
+
+    on_chunk(others_in_the_turns_step)
+    worker.work(burst=True)
+    assert beside == [True, True]
+    result = client.result(turn, timeout=0)
+    assert (result.reuse, result.cached_tokens) == ("live", 200)
+    assert_logits_match(result, tiny, turn_ids)
+    assert_logits_match(client.result(first, timeout=0), tiny, history)
+    for job, seed in zip(others + more, (6, 7, 9, 10), strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny,
+                            ids(50 if seed < 9 else 45, seed))
+
+
+def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, tiny):
+    worker, client = setup(max_batch_jobs=3)
+    token_ids = ids(50, 11)
+    job = client.submit(tokens=token_ids, model=MODEL, top_k=3, prompt_logprobs=2)
+    others = [client.submit(tokens=ids(40, s), model=MODEL, top_k=3) for s in (12, 13)]
+    worker.work(burst=True, logging_level="WARNING")
+    result = client.result(job, timeout=0)
+    alone = tiny.start_prefill(token_ids, prompt_logprobs=2)
+    logits = alone.run()
+    assert_logits_match(result, tiny, token_ids)
+    entries, n, lp = result.prompt_logprobs, len(token_ids), alone.logprobs
+    scale = float(np.abs(logits).max())
+    got = np.array([e["logprob"] for e in entries[1:n]])
+    assert float(np.abs(got - lp.token_logprob[1:n]).max()) <= 1e-6 * scale
+    assert [[t["id"] for t in e["top"]] for e in entries[1:]] == lp.top_ids[1:].tolist()
+    for other, seed in zip(others, (12, 13), strict=True):
+        assert_logits_match(client.result(other, timeout=0), tiny, ids(40, seed))
