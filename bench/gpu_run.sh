@@ -4,6 +4,8 @@
 # GPU"): join the mlx-cuda-13 wheel from its two parts, install the wheels beside the
 # device's own torch and transformers, and run the benchmark with its records in $OUT.
 #   bash bench/gpu_run.sh [bench.gpu options, e.g. --deepseek4-layers 0 or --quick]
+# BENCH_MODULE=bench.gpu_queue runs another benchmark module the same way; a redis-server
+# carried in .device/b/bin (with its libraries in .device/b/lib) is put on the PATH.
 set -euo pipefail
 WHEEL=mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
 SHA256=94cb48fba73e5ee39467e51c35c51c691123359ca17bafd1a24cf92ad6732bee
@@ -16,12 +18,14 @@ echo "$SHA256  /tmp/$WHEEL" | sha256sum -c --quiet -
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /root/site "/tmp/$WHEEL" .device/b/wheels/*.whl
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+BENCH_MODULE=${BENCH_MODULE:-bench.gpu}
+if [ -x .device/b/bin/redis-server ]; then export PATH=$PWD/.device/b/bin:$PATH; fi
 python3 -c "import mlx.core as mx, mlx_lm, torch, transformers as t
 print(mx.__version__, mx.default_device(), mlx_lm.__version__, torch.__version__,
       t.__version__, torch.cuda.get_device_name())"
 set +e  # the records so far come back even when the run fails or overruns
-timeout "$BENCH_TIMEOUT_S" python3 -m bench.gpu "$@" --out "$OUT/gpu-h200.jsonl" 2>&1 \
+timeout "$BENCH_TIMEOUT_S" python3 -m "$BENCH_MODULE" "$@" --out "$OUT/gpu-h200.jsonl" 2>&1 \
     | tee "$OUT/gpu-h200.log"
 status=${PIPESTATUS[0]}
-echo "bench.gpu exit status $status; $(grep -c . "$OUT/gpu-h200.jsonl" 2>/dev/null) lines"
+echo "$BENCH_MODULE exit status $status; $(grep -c . "$OUT/gpu-h200.jsonl" 2>/dev/null) lines"
 exit "$status"

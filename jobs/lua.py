@@ -218,18 +218,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# A worker dequeues: pop the first RQ job of its queues, in order, and record it as being
-# taken by the worker in the same step, so a worker killed before it starts the job leaves
-# it to the reaper instead of losing it. KEYS[1] the worker's taking set, KEYS[2..] the RQ
-# queue lists. Like RQ's own multi-queue BLPOP these keys span slots: RQ's queues are not
-# Redis Cluster keys.
+# A worker dequeues: pop up to ARGV[1] RQ jobs of its queues, in order, and record each as
+# being taken by the worker in the same step, so a worker killed before it starts them leaves
+# them to the reaper instead of losing them. KEYS[1] the worker's taking set, KEYS[2..] the RQ
+# queue lists; replies {queue key, id, queue key, id, ...}. Like RQ's own multi-queue BLPOP
+# these keys span slots: RQ's queues are not Redis Cluster keys.
 TAKE = """
+local want, taken = tonumber(ARGV[1]), {}
 for i = 2, #KEYS do
-  local id = redis.call('LPOP', KEYS[i])
-  if id then
+  while #taken < 2 * want do
+    local id = redis.call('LPOP', KEYS[i])
+    if not id then break end
     redis.call('SADD', KEYS[1], id)
-    return {KEYS[i], id}
+    taken[#taken + 1] = KEYS[i]
+    taken[#taken + 1] = id
   end
 end
-return false
+return taken
 """

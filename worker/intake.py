@@ -10,7 +10,6 @@ import logging
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq.exceptions import NoSuchJobError
 from rq.intermediate_queue import IntermediateQueue
 
 from jobs import keys, protocol, stats
@@ -32,46 +31,87 @@ def fetch_or_drop(connection, queue_key: str, raw_id: bytes | str, job_class, se
     junk: not UTF-8, no such RQ job, or a hash that does not decode. The worker's RQ
     ``queue_class`` (`worker.taking.TakingQueue`) calls it on every popped id and pops the
     next on None: RQ's own loop would let either exception end the worker."""
+    return fetch_many_or_drop(connection, [(queue_key, raw_id)], job_class, serializer)[0]
+
+
+def fetch_many_or_drop(connection, popped: list[tuple[str, bytes | str]], job_class,
+                       serializer, expire_s: int | None = None) -> list:
+    """`fetch_or_drop` of each ``(queue key, raw id)`` of `popped`, their hashes read in one
+    round trip; None in place of each junk id. With `expire_s`, each hash expires in that
+    many seconds (set in the same round trip), so none outlives a worker that dies with it
+    popped: the reaper re-enqueues the job under a new RQ id."""
+    ids: list[str | None] = []
+    for _, raw_id in popped:
+        try:
+            ids.append(raw_id.decode() if isinstance(raw_id, bytes) else raw_id)
+        except UnicodeDecodeError:
+            ids.append(None)
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            if job_id is not None:
+                pipe.hgetall(job_class.key_for(job_id))
+                if expire_s is not None:
+                    pipe.expire(job_class.key_for(job_id), expire_s)
+        hashes = iter(pipe.execute()[::1 if expire_s is None else 2])
+    jobs = []
+    for (queue_key, raw_id), job_id in zip(popped, ids, strict=True):
+        job = None
+        raw = next(hashes) if job_id is not None else None
+        if job_id is None:
+            log.warning("dropping RQ job id %r from %s: not UTF-8", raw_id, queue_key)
+        elif not raw:
+            log.warning("dropping RQ job id %r from %s: no such RQ job", raw_id, queue_key)
+        else:
+            job = _restored(job_class(job_id, connection=connection, serializer=serializer),
+                            raw, queue_key)
+        if job is None:  # an LMOVE left it in RQ's intermediate list, whose cleanup trips too
+            connection.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 1,
+                            raw_id)
+        jobs.append(job)
+    return jobs
+
+
+def _restored(job, raw: dict, queue_key: str):
     try:
-        job_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-        return job_class.fetch(job_id, connection=connection, serializer=serializer)
-    except REDIS_ERRORS:
-        raise
-    except NoSuchJobError:
-        log.warning("dropping RQ job id %r from %s: no such RQ job", raw_id, queue_key)
+        job.restore(raw)
     except Exception as error:  # any bytes at all: what RQ's restore raises is not ours
-        log.error("dropping RQ job id %r from %s: it does not decode (%s: %s)", raw_id,
+        log.error("dropping RQ job id %r from %s: it does not decode (%s: %s)", job.id,
                   queue_key, type(error).__name__, error)
-    # an LMOVE left it in RQ's intermediate list, whose cleanup would trip on it too
-    connection.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 1, raw_id)
-    return None
+        return None
+    return job
 
 
-def read_record(connection, scripts: Scripts, job_id: str, result_ttl_s: int
-                ) -> JobRecord | None:
-    """`job_id`'s record, or None: it has none (expired; logged), or it does not decode or
-    names no model, and then it is failed with ``CorruptJob`` (unless a worker holds it or
-    it ended: `jobs.scripts.refuse`; an ended one loses its undecodable fields only) and
-    counted.
+def read_records(connection, scripts: Scripts, job_ids: list[str], result_ttl_s: int
+                 ) -> list[JobRecord]:
+    """The records of `job_ids`, read in one round trip, less those that are missing
+    (expired; logged) or do not decode or name no model: these are failed with
+    ``CorruptJob`` (unless a worker holds one or it ended: `jobs.scripts.refuse`; an ended
+    one loses its undecodable fields only) and counted.
 
     Args:
         scripts: the worker's scripts (`REFUSE`).
-        result_ttl_s: the lifetime of the failed record.
+        result_ttl_s: the lifetime of a failed record.
     """
-    raw = connection.hgetall(keys.job(job_id))
-    if not raw:
-        log.warning("job %s has no record (expired?); skipping", job_id)
-        return None
-    try:
-        record = JobRecord.from_hash(job_id, raw)
-    except CorruptJob as error:
-        refuse(connection, scripts, job_id, error, result_ttl_s)
-        return None
-    if not record.model:
-        refuse(connection, scripts, job_id,
-               CorruptJob(f"job {job_id}'s record names no model"), result_ttl_s)
-        return None
-    return record
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hgetall(keys.job(job_id))
+        hashes = pipe.execute()
+    records = []
+    for job_id, raw in zip(job_ids, hashes, strict=True):
+        if not raw:
+            log.warning("job %s has no record (expired?); skipping", job_id)
+            continue
+        try:
+            record = JobRecord.from_hash(job_id, raw)
+        except CorruptJob as error:
+            refuse(connection, scripts, job_id, error, result_ttl_s)
+            continue
+        if not record.model:
+            refuse(connection, scripts, job_id,
+                   CorruptJob(f"job {job_id}'s record names no model"), result_ttl_s)
+            continue
+        records.append(record)
+    return records
 
 
 def refuse(connection, scripts: Scripts, job_id: str, error: CorruptJob,

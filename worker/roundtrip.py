@@ -34,10 +34,11 @@ class Probe:
 
 @dataclass
 class Reply:
-    """What came back: each script's outcome (a Redis error in place of a script that
-    failed, e.g. ``OutOfMemoryError`` under maxmemory) and the probe's answers."""
+    """What came back: each script's reply (a str for a status word; a Redis error in place
+    of a script that failed, e.g. ``OutOfMemoryError`` under maxmemory) and the probe's
+    answers."""
 
-    outcomes: list[str | Exception]
+    outcomes: list
     canceled: list[str] = field(default_factory=list)
     intake_waiting: bool = False
 
@@ -91,8 +92,7 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
         raise errors[0]
     flags, lengths = reads[:n_flags], reads[n_flags:]
     return Reply(
-        outcomes=[o.decode() if isinstance(o, bytes) else o if isinstance(o, Exception)
-                  else str(o) for o in outcomes],
+        outcomes=[o.decode() if isinstance(o, bytes) else o for o in outcomes],
         canceled=[j for j, flagged in zip(probe.others, flags, strict=True) if flagged],
         intake_waiting=any(n > 0 for n in lengths),
     )

@@ -219,12 +219,17 @@ class Scheduler:
         )
         return [intake_queue(self.connection, m, p) for p, m in levels]
 
-    def fits(self, kv_bytes: int) -> bool:
-        """Whether a new job of `kv_bytes` fits. A job alone always fits (else it could
-        never run); others must leave it room."""
-        if self.kv_budget_bytes is None or not self.resident:
-            return True
-        return self.resident_kv_bytes + kv_bytes <= self.kv_budget_bytes
+    def kv_room(self) -> int | None:
+        """KV bytes new jobs may take now, under `kv_budget_bytes` (None: no bound). A job
+        alone fits whatever its size (else it could never run): the caller lets the first
+        job in when nothing is resident."""
+        if self.kv_budget_bytes is None:
+            return None
+        return self.kv_budget_bytes - self.resident_kv_bytes
+
+    def room(self) -> int:
+        """Jobs that may be admitted now (by `max_active`; 0 while one waits for KV room)."""
+        return 0 if not self.admitting() else self.max_active - len(self.resident)
 
     def wait_for_room(self, job_id: str, model: str, priority: int) -> None:
         """Put a job that does not fit back at the head of its intake queue, untouched, and

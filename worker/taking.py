@@ -20,7 +20,7 @@ from jobs import keys, scripts
 from jobs.scripts import Scripts
 
 from .connection import refused_write
-from .intake import fetch_or_drop
+from .intake import fetch_many_or_drop, fetch_or_drop
 
 log = logging.getLogger("prefillq.worker")
 
@@ -85,7 +85,7 @@ class TakingQueue(Queue):
             return None
         popped = cls.scripts.run(scripts.take(cls.taking_key, queue_keys), client=connection)
         if popped or timeout is None:
-            return popped or None
+            return popped[:2] or None
         if timeout == 0:
             raise ValueError("RQ does not support indefinite timeouts")
         popped = connection.blpop(queue_keys, timeout)
@@ -100,6 +100,43 @@ class TakingQueue(Queue):
         return popped
 
 
+    @classmethod
+    def take(cls, queues: Iterable[Queue], count: int, connection: Redis,
+             job_class: type[Job], serializer, expire_s: int) -> list[tuple[Job, Queue]]:
+        """Up to `count` RQ jobs of `queues`, in order, without blocking: popped and
+        recorded in one script (`jobs.scripts.take`), their hashes read in one round trip,
+        junk dropped (`worker.intake.fetch_many_or_drop`). What RQ's execution of each would
+        have done is the caller's (`taken_in_bulk` once they are started); their hashes
+        expire in `expire_s` seconds meanwhile."""
+        by_key = {q.key: q for q in queues}
+        if count < 1 or not by_key:
+            return []
+        flat = cls.scripts.run(scripts.take(cls.taking_key, list(by_key), count),
+                               client=connection)
+        popped = [(as_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        jobs = fetch_many_or_drop(connection, popped, job_class, serializer, expire_s)
+        junk = [raw_id for (_, raw_id), job in zip(popped, jobs, strict=True) if job is None]
+        if junk:  # nothing to run, nothing for the reaper
+            connection.srem(cls.taking_key, *junk)
+        return [(job, by_key[key]) for (key, _), job in zip(popped, jobs, strict=True)
+                if job is not None]
+
+
 def taken(connection: Redis, worker: str, rq_job_id: str) -> None:
     """The execution of `rq_job_id` on `worker` returned: forget its pop."""
     connection.srem(keys.worker_taking(worker), rq_job_id)
+
+
+def taken_in_bulk(connection: Redis, worker: str, jobs: Iterable[Job], *,
+                  done: Iterable[Job] = ()) -> None:
+    """`jobs`, taken together by `worker` (`TakingQueue.take`), are held, put back or not
+    runnable: forget their pops, and delete the RQ hashes of those `done` (as RQ does after
+    an execution of an admission, whose ``result_ttl`` is 0), in one round trip."""
+    ids = [job.id for job in jobs]
+    if not ids:
+        return
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.srem(keys.worker_taking(worker), *ids)
+        for job in done:
+            pipe.delete(job.key)
+        pipe.execute()

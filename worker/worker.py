@@ -36,7 +36,7 @@ from .scheduler import Admit, Idle, Run, Scheduler
 from .sessions import SessionSlots
 from .settings import WorkerSettings
 from .step import Stepper
-from .taking import TakingQueue, taken
+from .taking import TakingQueue, taken, taken_in_bulk
 
 log = logging.getLogger("prefillq.worker")
 
@@ -172,7 +172,7 @@ class PrefillWorker(SimpleWorker):
 
     def advance(self, job_id: str) -> None:
         """Admit `job_id` (the body of ``advance_prefill``); its chunks run in the steps."""
-        self.stepper.admit(job_id)
+        self.stepper.admit([job_id])
 
     def hand_back_active(self) -> None:
         """Requeue every resident job to intake (warm shutdown)."""
@@ -212,10 +212,8 @@ class PrefillWorker(SimpleWorker):
                 return None
             decision = self.prefill_scheduler.schedule()
             if isinstance(decision, Admit):
-                admitted = self._dequeue(decision.queues)
-                if admitted is not None:
-                    return admitted
-                self.prefill_scheduler.saw_intake(False)  # until a round trip sees one
+                if not self._admit(decision.queues):
+                    self.prefill_scheduler.saw_intake(False)  # until a round trip sees one
                 continue
             if isinstance(decision, Run):
                 if self.get_state() != WorkerStatus.BUSY:  # a SIGTERM now waits for the chunk
@@ -250,14 +248,32 @@ class PrefillWorker(SimpleWorker):
             if idle_until is not None and time.monotonic() >= idle_until:
                 return None
 
-    def _dequeue(self, queues: list[Queue]) -> tuple[Job, Queue] | None:
-        """The first job waiting in `queues`, without blocking (None if they are empty)."""
-        result = self.queue_class.dequeue_any(
-            queues, None, connection=self.connection, job_class=self.job_class,
-            serializer=self.serializer, death_penalty_class=self.death_penalty_class)
-        if result is not None:
-            result[0].redis_server_version = self.get_redis_server_version()
-        return result
+    def _admit(self, queues: list[Queue]) -> bool:
+        """Admit as many jobs waiting in `queues` as there is room for, in order, in a few
+        round trips whatever their number (`TakingQueue.take`, `Stepper.admit`), instead of
+        one RQ execution each; returns whether any was waiting. Each popped RQ job is
+        checked as RQ's execution would be (`jobs.queues.refusal`: a refused one goes to
+        RQ's failed registry), and its pop stays recorded for the reaper until the job is
+        started or put back."""
+        popped = self.queue_class.take(
+            queues, self.prefill_scheduler.room(), connection=self.connection,
+            job_class=self.job_class, serializer=self.serializer,
+            expire_s=self.settings.result_ttl_s)
+        if not popped:
+            return False
+        admitted = []
+        for job, queue in popped:
+            reason = refusal(job)
+            if reason is not None:
+                self.refuse(job, queue, reason)
+            else:
+                admitted.append(job)
+        try:
+            self.stepper.admit([job.args[0] for job in admitted])
+        finally:
+            taken_in_bulk(self.connection, self.name, [job for job, _ in popped],
+                          done=admitted)
+        return True
 
     def _maintain(self) -> None:
         """RQ's worker heartbeat and maintenance, which its own loop runs between

@@ -18,7 +18,7 @@ from worker.checkpoints.store import FileStore, RedisStore
 from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
-from .helpers import CHUNK, MODEL, OnChunk
+from .helpers import CHUNK, MODEL, CountingConnection, OnChunk
 
 
 @pytest.fixture
@@ -63,3 +63,21 @@ def store(request, tmp_path):
     connection = redis.Redis.from_url(request.getfixturevalue("redis_server"))
     connection.flushall()
     return RedisStore(connection)
+
+
+@pytest.fixture
+def counted(redis_server, tiny):
+    """``make(**settings) -> (worker, client)`` on a flushed real redis-server, the worker's
+    requests counted (`helpers.CountingConnection`); a heartbeat TTL far above any test, so
+    no intake priorities are re-read inside what a test counts."""
+
+    def make(**settings) -> tuple[PrefillWorker, PrefillClient]:
+        redis.Redis.from_url(redis_server).flushall()
+        worker = PrefillWorker(
+            {MODEL: tiny},
+            redis.Redis.from_url(redis_server, connection_class=CountingConnection),
+            WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=3600, **settings), name="w1")
+        worker.register_models()
+        return worker, PrefillClient(redis.Redis.from_url(redis_server))
+
+    return make

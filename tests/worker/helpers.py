@@ -6,6 +6,7 @@ import logging
 import re
 
 import numpy as np
+import redis
 
 MODEL = "gemma3-tiny"
 CHUNK = 16
@@ -43,3 +44,14 @@ def assert_logits_match(result, tiny, token_ids):
     assert [t.id for t in result.top_k] == top.tolist()
     for t in result.top_k:
         assert abs(t.logit - expected[t.id]) <= 1e-3 * np.abs(expected).max()
+
+
+class CountingConnection(redis.Connection):
+    """redis-py's connection, counting the requests it sends (`sent`): one per command, one
+    per pipeline (its commands go out together: one round trip)."""
+
+    sent = 0
+
+    def send_packed_command(self, command, check_health=True):
+        CountingConnection.sent += 1
+        return super().send_packed_command(command, check_health)

@@ -6,40 +6,10 @@ and a prompt-logprobs job sharing steps with others; every job gets the logits i
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import redis
 
-from jobs import JobState, PrefillClient
-from worker.settings import WorkerSettings
-from worker.worker import PrefillWorker
+from jobs import JobState
 
-from .helpers import MODEL, assert_logits_match, ids
-
-
-class CountingConnection(redis.Connection):
-    """redis-py's connection, counting the requests it sends: one per command, one per
-    pipeline (its commands go out together, one round trip)."""
-
-    sent = 0
-
-    def send_packed_command(self, command, check_health=True):
-        CountingConnection.sent += 1
-        return super().send_packed_command(command, check_health)
-
-
-@pytest.fixture
-def counted(redis_server, tiny):
-    def make(**settings) -> tuple[PrefillWorker, PrefillClient]:
-        redis.Redis.from_url(redis_server).flushall()
-        # a heartbeat TTL far above the test: no intake priorities re-read inside a step
-        worker = PrefillWorker(
-            {MODEL: tiny},
-            redis.Redis.from_url(redis_server, connection_class=CountingConnection),
-            WorkerSettings(chunk_tokens=16, heartbeat_ttl_s=3600, **settings), name="w1")
-        worker.register_models()
-        return worker, PrefillClient(redis.Redis.from_url(redis_server))
-
-    return make
+from .helpers import MODEL, CountingConnection, assert_logits_match, ids
 
 
 def round_trips_of_a_step(worker) -> tuple[int, tuple[str, ...]]:
