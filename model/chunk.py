@@ -40,6 +40,16 @@ class PrefillModel(Protocol):
     def cache_from_state(self, state: CacheState) -> ModelCache: ...
 
 
+class PackingModel(PrefillModel, Protocol):
+    """A model that also runs several jobs' chunks in one forward pass
+    (`model.archs._packed.PackedModel`)."""
+
+    def packs(self, caches: list[ModelCache]) -> bool: ...
+
+    def packed(self, inputs: list[mx.array], caches: list[ModelCache],
+               every_position: Sequence[bool] | None = ...) -> list[mx.array]: ...
+
+
 def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
     """Run `token_ids` at ``cache.position``, evaluate, then commit them.
 
@@ -73,11 +83,8 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
     cache.begin(len(token_ids))
     try:
         inputs = mx.array(token_ids, dtype=mx.int32)[None]
-        if logprobs is None:
-            hidden, head = model(inputs, cache), ()
-        else:
-            every = model(inputs, cache, every_position=True)  # (1, L, hidden)
-            hidden, head = every[:, -1], logprobs.launch(model, every, start)
+        out = model(inputs, cache, every_position=logprobs is not None)
+        hidden, head = with_head(model, out, logprobs, start)
         mx.async_eval(hidden, *head, cache.arrays())
     except BaseException:
         cache.poison()
@@ -85,34 +92,56 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
     return hidden, head
 
 
-def launch_packed(model, caches: Sequence[ModelCache], chunks: Sequence[Sequence[int]]
-                  ) -> list[mx.array]:
+def launch_packed(model: PackingModel, caches: Sequence[ModelCache],
+                  chunks: Sequence[Sequence[int]],
+                  logprobs: Sequence[PromptLogprobs | None] | None = None
+                  ) -> list[tuple[mx.array, tuple]]:
     """`launch_chunk` for several jobs' chunks in one forward pass (``model.packed``: the
     linear layers over every job's rows at once, attention per job against its own cache);
     each job's `finish_chunk` then waits and commits it.
 
     Args:
-        model: a model with ``packed`` (Gemma 3) whose ``packs(caches)`` holds.
+        model: a model whose ``packs(caches)`` holds.
         caches: each job's cache, at its committed position.
         chunks: each job's chunk of token ids (none empty).
+        logprobs: each job's prompt log-probabilities or None (the default: None for all):
+            the head also runs on every position of that job's chunk.
     Returns:
-        per job, float ``(1, hidden)``: its chunk's last hidden state, being evaluated.
+        per job, as `launch_chunk`: float ``(1, hidden)``, its chunk's last hidden state,
+        and its lazy ``logprobs.launch`` outputs (empty without logprobs), being evaluated.
     Raises:
         CachePoisoned: a cache was poisoned earlier. Anything building the graph raises,
         after poisoning every cache of the pass.
     """
+    logprobs = list(logprobs or [None] * len(chunks))
     for cache, ids in zip(caches, chunks, strict=True):
         cache.check_chunk(len(ids))
+    starts = [cache.position for cache in caches]
     try:
         for cache, ids in zip(caches, chunks, strict=True):
             cache.begin(len(ids))
-        hidden = model.packed([mx.array(ids, dtype=mx.int32) for ids in chunks], list(caches))
-        mx.async_eval(*hidden, *(cache.arrays() for cache in caches))
+        outs = model.packed([mx.array(ids, dtype=mx.int32) for ids in chunks], list(caches),
+                            every_position=[lp is not None for lp in logprobs])
+        launched = [with_head(model, out, lp, start)
+                    for out, lp, start in zip(outs, logprobs, starts, strict=True)]
+        mx.async_eval(*(a for hidden, head in launched for a in (hidden, *head)),
+                      *(cache.arrays() for cache in caches))
     except BaseException:
         for cache in caches:
             cache.poison()
         raise
-    return hidden
+    return launched
+
+
+def with_head(model: PrefillModel, out: mx.array, logprobs: PromptLogprobs | None,
+              start: int) -> tuple[mx.array, tuple]:
+    """A chunk's forward output at `start` as ``(hidden, head)``: without `logprobs`, `out`
+    is the last position's hidden state ``(1, hidden)`` and the head is empty; with them,
+    `out` is every position's ``(1, L, hidden)``, the hidden state its last, and the head
+    ``logprobs.launch`` (lazy)."""
+    if logprobs is None:
+        return out, ()
+    return out[:, -1], logprobs.launch(model, out, start)
 
 
 def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,

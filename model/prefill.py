@@ -154,15 +154,16 @@ class Prefill:
     def launch_all(prefills: Sequence[Prefill]) -> None:
         """`launch` the next chunk of each of `prefills`, in one packed forward pass
         (`model.chunk.launch_packed`) when two or more are ready and can share one: the same
-        model, which packs their caches (``model.packs``), no prompt logprobs and no poisoned
-        cache; else one by one. Each one's next `step` waits for its chunk and commits it;
-        an error building the packed pass is raised by every one's `step`.
+        model, which packs their caches (``model.packs``), and no poisoned cache; else one
+        by one. A job with prompt logprobs gets every position of its chunk from the pass.
+        Each one's next `step` waits for its chunk and commits it; an error building the
+        packed pass is raised by every one's `step`.
         """
         ready = [p for p in prefills if not (p.done or p.launched)]
         model = ready[0].model if ready else None
         packs = getattr(model, "packs", None)
         if (len(ready) < 2 or packs is None or any(p.model is not model for p in ready)
-                or any(p.logprobs is not None or p.cache.is_poisoned for p in ready)
+                or any(p.cache.is_poisoned for p in ready)
                 or not packs([p.cache for p in ready])):
             for p in prefills:
                 p.launch()
@@ -171,14 +172,15 @@ class Prefill:
         t0 = time.perf_counter()
         try:
             chunks = [p.token_ids[s:e] for p, (s, e) in zip(ready, spans, strict=True)]
-            hidden = launch_packed(model, [p.cache for p in ready], chunks)
+            launched = launch_packed(model, [p.cache for p in ready], chunks,
+                                     [p.logprobs for p in ready])
         except Exception as error:  # raised where each job's chunk outcome is handled
             for p in ready:
                 p._launched = error
             return
         build = (time.perf_counter() - t0) / len(ready)
-        for p, (start, end), h in zip(ready, spans, hidden, strict=True):
-            p._launched = (start, end, (h, ()), build, t0)
+        for p, (start, end), out in zip(ready, spans, launched, strict=True):
+            p._launched = (start, end, out, build, t0)
 
     def _launch(self) -> tuple[int, int, tuple, float, float]:
         start, end = self.plan.next_chunk(self.cursor)

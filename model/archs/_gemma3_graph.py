@@ -7,7 +7,6 @@ ops (docs/benchmarks.md, "Where a GPU chunk's time goes"). The equations are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -89,8 +88,7 @@ class GraphForward:
     def __call__(self, model, inputs: mx.array, cache, every_position: bool = False
                  ) -> mx.array:
         args, position = model.args, cache.position
-        h = model.token_embd(inputs)
-        h = h * mx.array(math.sqrt(args.hidden_size), dtype=h.dtype)
+        h = model.embed(inputs)
         offset = mx.array(position, dtype=mx.int32)
         for layer, block in enumerate(model.blk):
             a, f = block.attn, block.mlp

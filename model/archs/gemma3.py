@@ -23,6 +23,7 @@ from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
 from ._gemma3_graph import GraphForward
+from ._packed import PackedModel, attend_each
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
@@ -94,12 +95,7 @@ class Attention(nn.Module):
         projections run over every row at once, attention per job against its own cache
         at its own position."""
         q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        outs, start = [], 0
-        for cache, position, n in zip(caches, positions, lengths, strict=True):
-            rows = slice(start, start + n)
-            outs.append(self.attend(q[:, rows], k[:, rows], v[:, rows], cache, position))
-            start += n
-        return self.attn_output(mx.concatenate(outs, axis=1))
+        return self.attn_output(attend_each(self.attend, q, k, v, caches, positions, lengths))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
                ) -> mx.array:
@@ -175,7 +171,7 @@ class Block(nn.Module):
         return h + self.post_ffw_norm(self.mlp(self.ffn_norm(h)))
 
 
-class Model(nn.Module, KVCacheModel):
+class Model(nn.Module, KVCacheModel, PackedModel):
     """Gemma 3 text model.
 
     Sliding-window attention in five of every six layers (a ring cache of
@@ -187,6 +183,8 @@ class Model(nn.Module, KVCacheModel):
     position; ``model.logits(hidden)`` applies the tied output head. Running the head on
     the last position only matters: at 262,144 x 640 it is the largest matmul per token
     (``every_position=True`` keeps every position, for prompt log-probabilities only).
+    ``model.packed(inputs, caches)`` runs several jobs' chunks in one forward pass
+    (`model.archs._packed.PackedModel`).
     """
 
     architecture = ARCHITECTURE
@@ -219,8 +217,7 @@ class Model(nn.Module, KVCacheModel):
             if self._graph is None:
                 self._graph = GraphForward(_fused_attend)
             return self._graph(self, inputs, cache, every_position)
-        h = self.token_embd(inputs)
-        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
+        h = self.embed(inputs)
         for layer, block in enumerate(self.blk):
             h = block(h, cache[layer], cache.position)
         return self.output_norm(h if every_position else h[:, -1, :])
@@ -230,27 +227,11 @@ class Model(nn.Module, KVCacheModel):
         CUDA GPU in bf16), whose graphs are built for one job's chunk."""
         return not any(graph_applies(self, cache) for cache in caches)
 
-    def packed(self, inputs: list[mx.array], caches: list[ModelCache]) -> list[mx.array]:
-        """One forward pass over several jobs' chunks, each at its own ``cache.position``,
-        without committing them: the embedding, norms, projections and MLP run over every
-        job's rows at once (packed along ``L``), attention per job against its own cache.
-
-        Args:
-            inputs: each job's chunk of token ids, int32 ``(L_i,)``.
-            caches: each job's cache (rows ``[position, position + L_i)`` are written).
-        Returns:
-            per job, float ``(1, hidden)``: the final-normed hidden state of its chunk's last
-            position.
-        """
-        lengths = [int(x.shape[0]) for x in inputs]
-        positions = [cache.position for cache in caches]
-        h = self.token_embd(mx.concatenate(inputs)[None])
-        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
-        for layer, block in enumerate(self.blk):
-            h = block.packed(h, [cache[layer] for cache in caches], positions, lengths)
-        ends = mx.array([sum(lengths[: i + 1]) - 1 for i in range(len(lengths))])
-        last = self.output_norm(h[0, ends])  # (jobs, hidden)
-        return [last[i : i + 1] for i in range(len(lengths))]
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids, int32 ``(..., L)`` -> the embedding scaled by sqrt(hidden), as Gemma
+        does, ``(..., L, hidden)``."""
+        h = self.token_embd(inputs)
+        return h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``(B, hidden)`` -> ``(B, vocab)`` through the tied embedding."""

@@ -20,6 +20,7 @@ from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
+from ._packed import PackedModel, attend_each
 
 ARCHITECTURE = "llama"
 # llama.cpp's rope type per architecture (``llama_model_rope_type``): NORM rotates adjacent
@@ -194,10 +195,26 @@ class Attention(nn.Module):
             self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.attn_q(x).reshape(B, L, self.n_heads, -1)
-        k = self.attn_k(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.attn_v(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.attn_output(self.attend(self.attn_q(x), self.attn_k(x), self.attn_v(x),
+                                            cache, position))
+
+    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
+               ) -> mx.array:
+        """Several jobs' chunks packed along ``L`` (``(1, sum(lengths), hidden)``): the
+        projections run over every row at once, attention per job against its own cache
+        at its own position (`model.archs._packed.attend_each`)."""
+        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        return self.attn_output(attend_each(self.attend, q, k, v, caches, positions, lengths))
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
+               ) -> mx.array:
+        """One job's projected queries, keys and values ``(B, L, heads * head_dim)`` at
+        `position`: normed (Qwen 3), rotated, written to `cache`, attended; ``(B, L, heads *
+        head_dim)`` before the output projection."""
+        B, L, _ = q.shape
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self.qk_norm:  # Qwen 3: per head, before RoPE
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         # (B, heads, L, head_dim)
@@ -206,7 +223,7 @@ class Attention(nn.Module):
         keys, values, mask = cache.update(k, v, position)
         out = cache_attention(q, keys, values, mask, scale=self.scale, position=position,
                               window=self.window, n_kv_heads=self.n_kv_heads)
-        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -236,16 +253,25 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        h = x + self.attn(self.attn_norm(x), cache, position)
+        return self._mlp(x + self.attn(self.attn_norm(x), cache, position))
+
+    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
+               ) -> mx.array:
+        """`__call__` over several jobs' chunks packed along ``L`` (`Attention.packed`)."""
+        return self._mlp(x + self.attn.packed(self.attn_norm(x), caches, positions, lengths))
+
+    def _mlp(self, h: mx.array) -> mx.array:
         return h + self.mlp(self.ffn_norm(h))
 
 
-class Model(nn.Module, KVCacheModel):
+class Model(nn.Module, KVCacheModel, PackedModel):
     """A Llama-family text model.
 
     ``model(inputs, cache)`` runs one chunk and returns the final-normed hidden state of its
     last position; ``model.logits(hidden)`` applies the output head (tied or separate) to
     it alone (``every_position=True`` keeps every position, for prompt log-probabilities).
+    ``model.packed(inputs, caches)`` runs several jobs' chunks in one forward pass
+    (`model.archs._packed.PackedModel`).
 
     Args:
         rope_factors: Llama 3's per-pair frequency divisors (the GGUF's ``rope_freqs``),
@@ -280,10 +306,14 @@ class Model(nn.Module, KVCacheModel):
         rows ``[position, position + L)``, uncommitted (`model.chunk.launch_chunk` commits).
         Returns the final-normed hidden state, float ``(B, hidden)`` of the last position or
         ``(B, L, hidden)`` of each with `every_position`."""
-        h = self.token_embd(inputs)
+        h = self.embed(inputs)
         for layer, block in enumerate(self.blk):
             h = block(h, cache[layer], cache.position)
         return self.output_norm(h if every_position else h[:, -1, :])
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids, int32 ``(..., L)`` -> their embeddings ``(..., L, hidden)``."""
+        return self.token_embd(inputs)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``(..., hidden)`` -> ``(..., vocab)`` through the output head."""
