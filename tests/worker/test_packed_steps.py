@@ -118,12 +118,21 @@ def test_a_session_turn_shares_steps_and_reuses_its_slot_exactly(setup, on_chunk
                             ids(50 if seed < 9 else 45, seed))
 
 
-def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, tiny):
+def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, on_chunk,
+                                                                          tiny):
     worker, client = setup(max_batch_jobs=3)
     token_ids = ids(50, 11)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3, prompt_logprobs=2)
     others = [client.submit(tokens=ids(40, s), model=MODEL, top_k=3) for s in (12, 13)]
-    worker.work(burst=True, logging_level="WARNING")
+    beside = []
+
+    def others_in_its_step(job_id, chunk_no):
+        if job_id == job and chunk_no == 1:
+            beside.extend(worker.active[j].prefill.launched for j in others)
+
+    on_chunk(others_in_its_step)
+    worker.work(burst=True)
+    assert beside == [True, True]
     result = client.result(job, timeout=0)
     alone = tiny.start_prefill(token_ids, prompt_logprobs=2)
     logits = alone.run()
@@ -131,7 +140,9 @@ def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, 
     entries, n, lp = result.prompt_logprobs, len(token_ids), alone.logprobs
     scale = float(np.abs(logits).max())
     got = np.array([e["logprob"] for e in entries[1:n]])
-    assert float(np.abs(got - lp.token_logprob[1:n]).max()) <= 1e-6 * scale
+    # measured 1.0e-6 (three float32 ulps of a logprob near -6: the packed matmuls round
+    # differently; tests/model/test_packed.py bounds the packed pass at 3e-6)
+    assert float(np.abs(got - lp.token_logprob[1:n]).max()) <= 3e-6 * scale
     assert [[t["id"] for t in e["top"]] for e in entries[1:]] == lp.top_ids[1:].tolist()
     for other, seed in zip(others, (12, 13), strict=True):
         assert_logits_match(client.result(other, timeout=0), tiny, ids(40, seed))
