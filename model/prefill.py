@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,10 @@ class Prefill:
     last_chunk_seconds: float = 0.0  # wall time of the last chunk, from its launch or step
     logprobs: PromptLogprobs | None = None  # prompt log-probabilities, for jobs that ask
     _hidden: mx.array | None = field(default=None, repr=False)
-    _launched: tuple | Exception | None = field(default=None, repr=False)
+    _logits: mx.array | None = field(default=None, repr=False)  # from the last chunk's pass
+    # the chunks in flight, oldest first: (start, end, (hidden, head), build seconds, launch
+    # time, final logits or None), or the error building one raised
+    _launched: list = field(default_factory=list, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -96,7 +100,12 @@ class Prefill:
     @property
     def launched(self) -> bool:
         """A chunk was launched and its `step` has not run yet."""
-        return self._launched is not None
+        return bool(self._launched)
+
+    @property
+    def _planned(self) -> int:
+        """The cursor once the chunks in flight commit."""
+        return self.cursor + self.cache.in_flight
 
     @property
     def hidden(self) -> mx.array | None:
@@ -104,21 +113,27 @@ class Prefill:
         return self._hidden
 
     def step(self) -> int:
-        """Run the next chunk (or finish the one `launch` started); returns the number of
-        tokens it committed.
+        """Run the next chunk (or finish the oldest one `launch` started); returns the
+        number of tokens it committed. A chunk launched behind it stays in flight: this one
+        commits once its outputs evaluated, and its cache writes evaluate with that chunk.
 
         Raises:
             ValueError: the prefill is already done. Whatever `model.chunk.finish_chunk` raises
             (a launched chunk's error included).
         """
-        launched, self._launched = self._launched, None
+        launched = self._launched.pop(0) if self._launched else self._launch()
         if isinstance(launched, Exception):
             raise launched
-        if launched is None:
-            launched = self._launch()
-        start, end, (hidden, head), build_seconds, began = launched
+        start, end, (hidden, head), build_seconds, began, logits = launched
         t0 = time.perf_counter()
-        self._hidden = finish_chunk(self.cache, hidden, end - start, head)
+        final = () if logits is None else (logits,)
+        if self._launched:  # not the cache's arrays: the next chunk's writes rebind them
+            eval_or_poison(self.cache, hidden, *head, *final)
+            self.cache.commit(end - start)
+            self._hidden = hidden
+        else:
+            self._hidden = finish_chunk(self.cache, hidden, end - start, (*head, *final))
+        self._logits = logits
         if self.logprobs is not None:
             self.logprobs.record(start, head)
         done = time.perf_counter()
@@ -127,66 +142,86 @@ class Prefill:
         self.chunks_done += 1
         return end - start
 
-    def launch(self) -> None:
+    def launch(self, ahead: bool = False) -> None:
         """Start the next chunk on the device without waiting for it, so the caller's own
         work (a queue's bookkeeping) overlaps the forward pass; the next `step` waits for it
-        and commits. Does nothing when the prefill is done or a chunk is already launched. An
-        error building the chunk is raised by that `step`, not here.
+        and commits. With `ahead`, a chunk already in flight may have one more launched
+        behind it (built on top of it, `CommittedCache.ahead`), so the host builds chunk k +
+        1 while the device runs chunk k, as `run` does. Does nothing once every chunk is
+        committed or in flight, or when a chunk is in flight (two, with `ahead`). An error
+        building the chunk is raised by its `step`, not here. The last chunk's pass also
+        computes the final logits (`logits`).
 
         ``compute_seconds`` counts the time spent here and waiting in that `step`, not the
         caller's work in between.
         """
-        if self.done or self.launched:
+        if not self._launchable(ahead):
             return
         try:
-            self._launched = self._launch()
+            with self.cache.ahead(self.cache.in_flight):
+                launched = self._launch()
         except Exception as error:  # raised where the chunk's outcome is handled
-            self._launched = error
+            launched = error
+        self._launched.append(launched)
+
+    def _launchable(self, ahead: bool) -> bool:
+        """Whether `launch` would launch a chunk now."""
+        return len(self._launched) < (2 if ahead else 1) and self._planned < self.n_tokens
 
     def abandon(self) -> None:
-        """Drop a launched chunk that will not be stepped (its job ended meanwhile): the
-        cache is back at the last committed chunk (`CommittedCache.abandon`), as if it had
-        never been launched, so it may be kept or saved. Does nothing when none is."""
-        self._launched = None
+        """Drop the launched chunks that will not be stepped (the job ended meanwhile): the
+        cache is back at the last committed chunk (`CommittedCache.abandon`), as if none had
+        been launched, so it may be kept or saved. Does nothing when none is."""
+        self._launched = []
         self.cache.abandon()
 
     @staticmethod
-    def launch_all(prefills: Sequence[Prefill]) -> None:
-        """`launch` the next chunk of each of `prefills`, in one packed forward pass
-        (`model.chunk.launch_packed`) when two or more are ready and can share one: the same
-        model, which packs their caches (``model.packs``), and no poisoned cache; else one
-        by one. A job with prompt logprobs gets every position of its chunk from the pass.
-        Each one's next `step` waits for its chunk and commits it; an error building the
-        packed pass is raised by every one's `step`.
+    def launch_all(prefills: Sequence[Prefill], ahead: bool = False) -> None:
+        """`launch` the next chunk of each of `prefills` (with `ahead`, one behind a chunk
+        in flight), in one packed forward pass (`model.chunk.launch_packed`) when two or
+        more are ready and can share one: the same model, which packs their caches
+        (``model.packs``), and no poisoned cache; else one by one. A job with prompt
+        logprobs gets every position of its chunk from the pass; the jobs whose last chunk
+        it is get their final logits from one pass of the output head. Each one's `step`
+        waits for its chunk and commits it; an error building the packed pass is raised by
+        every one's `step`.
         """
-        ready = [p for p in prefills if not (p.done or p.launched)]
+        ready = [p for p in prefills if p._launchable(ahead)]
         model = ready[0].model if ready else None
         packs = getattr(model, "packs", None)
         if (len(ready) < 2 or packs is None or any(p.model is not model for p in ready)
                 or any(p.cache.is_poisoned for p in ready)
                 or not packs([p.cache for p in ready])):
-            for p in prefills:
-                p.launch()
+            for p in ready:
+                p.launch(ahead)
             return
-        spans = [p.plan.next_chunk(p.cursor) for p in ready]
+        spans = [p.plan.next_chunk(p._planned) for p in ready]
         t0 = time.perf_counter()
         try:
-            chunks = [p.token_ids[s:e] for p, (s, e) in zip(ready, spans, strict=True)]
-            launched = launch_packed(model, [p.cache for p in ready], chunks,
-                                     [p.logprobs for p in ready])
+            with ExitStack() as stack:
+                for p in ready:
+                    stack.enter_context(p.cache.ahead(p.cache.in_flight))
+                chunks = [p.token_ids[s:e] for p, (s, e) in zip(ready, spans, strict=True)]
+                launched = launch_packed(model, [p.cache for p in ready], chunks,
+                                         [p.logprobs for p in ready])
+            last = [i for i, (p, (_, end)) in enumerate(zip(ready, spans, strict=True))
+                    if end == p.n_tokens]
+            final = final_logits(model, [launched[i][0] for i in last])
         except Exception as error:  # raised where each job's chunk outcome is handled
             for p in ready:
-                p._launched = error
+                p._launched.append(error)
             return
         build = (time.perf_counter() - t0) / len(ready)
-        for p, (start, end), out in zip(ready, spans, launched, strict=True):
-            p._launched = (start, end, out, build, t0)
+        logits = dict(zip(last, final, strict=True))
+        for i, (p, (start, end), out) in enumerate(zip(ready, spans, launched, strict=True)):
+            p._launched.append((start, end, out, build, t0, logits.get(i)))
 
-    def _launch(self) -> tuple[int, int, tuple, float, float]:
+    def _launch(self) -> tuple:
         start, end = self.plan.next_chunk(self.cursor)
         t0 = time.perf_counter()
         out = launch_chunk(self.model, self.cache, self.token_ids[start:end], self.logprobs)
-        return start, end, out, time.perf_counter() - t0, t0
+        (logits,) = final_logits(self.model, [out[0]]) if end == self.n_tokens else (None,)
+        return start, end, out, time.perf_counter() - t0, t0, logits
 
     def run(self) -> np.ndarray:
         """Run every remaining chunk; returns the final logits, float32 ``(vocab,)``.
@@ -196,7 +231,7 @@ class Prefill:
         A chunk commits once its outputs evaluated; cache writes off their path (a sliding
         ring's) evaluate with the next chunk or at the end, and any failure poisons the
         cache. Raises as `step`."""
-        if self.launched:
+        while self.launched:
             self.step()
         pending = None  # launched, not yet committed
         while pending is not None or not self.done:
@@ -226,7 +261,7 @@ class Prefill:
         t0 = time.perf_counter()
         eval_or_poison(self.cache, hidden, *head)
         self.cache.commit(end - start)
-        self._hidden = hidden
+        self._hidden, self._logits = hidden, None
         if self.logprobs is not None:
             self.logprobs.record(start, head)
         done = time.perf_counter()
@@ -242,17 +277,20 @@ class Prefill:
             RuntimeError: the prefill is not done. CachePoisoned: a chunk failed (`reset`).
         """
         self._check_logits()
-        logits = np.array(self.model.logits(self._hidden).astype(mx.float32)[0])
+        if self._logits is not None:  # computed in the last chunk's pass
+            logits = np.array(self._logits.astype(mx.float32))
+        else:
+            logits = np.array(self.model.logits(self._hidden).astype(mx.float32)[0])
         if self.logprobs is not None and self.logprobs.filled < self.n_tokens:
             self.logprobs.finish(logits)
         return logits
 
     @staticmethod
     def logits_of(prefills: Sequence[Prefill]) -> list[np.ndarray]:
-        """`logits` of each of `prefills` (all done), float32 ``(vocab,)`` each, with one
-        pass of the output head over the final hidden states of those sharing a model: the
-        head's weights (Gemma 3 270M: 262,144 x 640) are read once for the lot, not once
-        per job.
+        """`logits` of each of `prefills` (all done), float32 ``(vocab,)`` each: those their
+        last chunk's pass computed (`launch`), and one pass of the output head over the
+        final hidden states of the others sharing a model: the head's weights (Gemma 3 270M:
+        262,144 x 640) are read once for the lot, not once per job.
 
         Raises:
             as `logits`.
@@ -261,7 +299,10 @@ class Prefill:
         by_model: dict[int, list[int]] = {}
         for i, p in enumerate(prefills):
             p._check_logits()
-            by_model.setdefault(id(p.model), []).append(i)
+            if p._logits is not None:  # computed in its last chunk's pass
+                out[i] = p.logits()
+            else:
+                by_model.setdefault(id(p.model), []).append(i)
         for group in by_model.values():
             model = prefills[group[0]].model
             hidden = mx.concatenate([prefills[i]._hidden for i in group])  # (jobs, hidden)
@@ -285,8 +326,19 @@ class Prefill:
         if self.logprobs is not None:
             self.logprobs.reset()
         self.chunks_done = 0
-        self._hidden = None
-        self._launched = None
+        self._hidden = self._logits = None
+        self._launched = []
+
+
+def final_logits(model: PrefillModel, hidden: Sequence[mx.array]) -> list[mx.array]:
+    """Each job's final logits from its last hidden state (float ``(1, hidden)`` each), with
+    one pass of the output head over them all, started on the device (``mx.async_eval``)
+    without waiting: float ``(vocab,)`` each, lazy."""
+    if not hidden:
+        return []
+    rows = model.logits(mx.concatenate(list(hidden)))  # (jobs, vocab)
+    mx.async_eval(rows)
+    return [rows[i] for i in range(len(hidden))]
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, context_length: int) -> list[int]:

@@ -282,6 +282,12 @@ class SessionPrefill(Prefill):
         self.slot.record(self)
         return n
 
+    def _launchable(self, ahead: bool) -> bool:
+        """As `Prefill`'s, but never behind the chunk that ends at the turn anchor: its
+        snapshot needs the cache exactly at that chunk's end."""
+        return super()._launchable(ahead) and not (
+            self.launched and self._planned == self.plan.recovery_position)
+
     def run(self) -> np.ndarray:
         """Every remaining chunk, one at a time, and the final logits: each is recorded in
         the slot, and the anchor snapshot taken, with the cache exactly at the chunk's end

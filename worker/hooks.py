@@ -19,8 +19,12 @@ class JobHooks(Protocol):
     def started(self, active: ActiveJob, record: JobRecord) -> None:
         """`active` was taken (``queued -> prefilling``) from `record` and is resident."""
 
+    def settles(self, active: ActiveJob) -> bool:
+        """Whether `active`'s cache must be settled (no chunk in flight) once the chunk in
+        flight commits, so its next chunk is not launched ahead of it: a copy is due."""
+
     def chunk_done(self, active: ActiveJob) -> None:
-        """A chunk of `active` was recorded and the job is still resident."""
+        """A chunk of `active` committed and the job is still resident."""
 
     def handing_back(self, active: ActiveJob, *, last: bool) -> None:
         """`active` goes back to intake: `last` for a hand-back another worker continues

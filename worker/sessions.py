@@ -130,6 +130,10 @@ class SessionSlots:
         if active.session is not None:
             self.claim(active.session)
 
+    def settles(self, active) -> bool:
+        """Never: a slot is kept at its job's last commit however it leaves."""
+        return False
+
     def chunk_done(self, active) -> None:
         """Nothing to do: a slot is consistent after every chunk."""
 

@@ -117,30 +117,38 @@ class Stepper:
         """Run one chunk of each job of `step` (the scheduler's `Run`), pipelined as
         ``Prefill.run`` is: the step's chunks are launched (one packed forward pass where
         the model packs, `Prefill.launch_all`; as a rule the previous step's `run` launched
-        them already), waited for and committed; the final logits of the jobs they complete
-        are computed and due KV checkpoints copied; then the next step is launched
-        (`launch_next`), so the device computes it while one Redis round trip records this
-        one (`record_step`)."""
+        them already), then the next step is built and launched behind them
+        (`launch_next`), so the host builds step k + 1 while the device runs step k; then
+        step k's chunks are waited for and committed, due KV checkpoints copy their rows,
+        and one Redis round trip records the step (`record_step`) while the device runs step
+        k + 1. The final logits of the jobs a step completes come from its own pass. A job
+        whose checkpoint is due after this chunk gets its next chunk only after the copy."""
         Prefill.launch_all([active.prefill for active in step.jobs])
+        self.launch_next(ahead=True)
         landed = [(active, n) for active in step.jobs if (n := self._land(active))]
         done = [active for active, _ in landed if active.prefill.done]
         logits = dict(zip([a.job_id for a in done],
                           Prefill.logits_of([a.prefill for a in done]), strict=True))
         for active, _ in landed:
             if not active.prefill.done:
-                for hook in self.hooks:  # a checkpoint copies its rows before the next launch
+                for hook in self.hooks:
                     hook.chunk_done(active)
-        self.launch_next()
+        self.launch_next()  # those a checkpoint held back
         self.record_step(landed, logits)
 
-    def launch_next(self) -> None:
+    def launch_next(self, ahead: bool = False) -> None:
         """Start the step whose turn it is on the device without waiting
-        (`Prefill.launch_all`), so what runs before it is run (the round trip of the step
-        before, admissions) overlaps its forward pass. The turn order is unchanged; a job
-        that leaves first abandons its launched chunk (`drop`)."""
+        (`Prefill.launch_all`), so what runs before it is run (the step before, its round
+        trip, admissions) overlaps its forward pass; with `ahead`, behind the chunks in
+        flight, except for a job a hook wants settled after its chunk (`JobHooks.settles`:
+        a KV checkpoint due). The turn order is unchanged; a job that leaves first abandons
+        its launched chunks (`drop`)."""
         step = self.scheduler.next_step()
-        if step is not None:
-            Prefill.launch_all([active.prefill for active in step.jobs])
+        if step is None:
+            return
+        jobs = [active for active in step.jobs
+                if not (ahead and any(hook.settles(active) for hook in self.hooks))]
+        Prefill.launch_all([active.prefill for active in jobs], ahead=ahead)
 
     def _land(self, active: ActiveJob) -> int | None:
         """Wait for `active`'s launched chunk and commit it; returns its tokens, or None

@@ -111,6 +111,13 @@ class Checkpointing:
         if active.checkpoints is None and active.slot is None and record.prompt_logprobs is None:
             active.checkpoints = JobCheckpoints(key=record.checkpoint, since=time.monotonic())
 
+    def settles(self, active) -> bool:
+        """Whether `active`'s checkpoint falls due when the chunk in flight commits (so
+        `chunk_done` finds its cache settled)."""
+        state = active.checkpoints
+        return state is not None and self.policy.due(state.chunks_since + 1,
+                                                     time.monotonic() - state.since)
+
     def chunk_done(self, active) -> bool:
         """After a chunk of `active` (a `worker.active.ActiveJob`): start its checkpoint if
         one is due and the writer is free. Returns whether one started."""
@@ -141,10 +148,11 @@ class Checkpointing:
 
     def last(self, active) -> None:
         """Checkpoint `active` now and wait for it (a hand-back: another worker resumes
-        here). A chunk launched for it is finished first (its rows are in the cache already);
-        one that fails, or a write that fails, leaves the previous checkpoint in force."""
+        here). The chunks launched for it are finished first (their rows are in the cache
+        already); one that fails, or a write that fails, leaves the previous checkpoint in
+        force."""
         self.flush()
-        if active.prefill.launched:
+        while active.prefill.launched:
             try:
                 active.prefill.step()
             except Exception as e:
