@@ -83,7 +83,8 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
     cache.begin(len(token_ids))
     try:
         inputs = mx.array(token_ids, dtype=mx.int32)[None]
-        out = model(inputs, cache, every_position=logprobs is not None)
+        out = (model(inputs, cache) if logprobs is None
+               else model(inputs, cache, every_position=True))  # (1, L, hidden)
         hidden, head = with_head(model, out, logprobs, start)
         mx.async_eval(hidden, *head, cache.arrays())
     except BaseException:
