@@ -73,6 +73,35 @@ def test_nothing_leaves_a_cache_with_a_chunk_in_flight(start):
     prefill.cache.state()
 
 
+def test_two_chunks_in_flight_land_in_order_and_give_the_logits_of_one_at_a_time(start):
+    """`launch(ahead=True)` builds the next chunk behind the one in flight, as the worker
+    does; the last chunk's pass computes the final logits. Both as stepping alone."""
+    prefill, alone = start(32), stepped(start(32))
+    prefill.launch()
+    prefill.launch(ahead=True)
+    prefill.launch(ahead=True)  # two in flight at most
+    assert prefill.cache.in_flight == 64
+    while prefill.launched:
+        prefill.step()
+        prefill.launch(ahead=True)
+        prefill.launch(ahead=True)
+    assert prefill.done and prefill._logits is not None  # from the last chunk's pass
+    np.testing.assert_array_equal(prefill.logits(), alone)
+
+
+def test_abandon_with_two_chunks_in_flight_returns_to_the_last_commit(start):
+    prefill = start(32)
+    prefill.step()
+    committed = prefill.cache.state()
+    prefill.launch()
+    prefill.launch(ahead=True)
+    assert prefill.cache.in_flight == 64
+    prefill.abandon()
+    assert (prefill.cache.in_flight, prefill.cursor) == (0, 32)
+    assert prefill.cache.state().blobs == committed.blobs
+    np.testing.assert_array_equal(stepped(prefill), stepped(start(32)))
+
+
 def test_commits_follow_the_chunks_in_flight_in_order(tiny):
     cache = tiny.model.make_cache(capacity=64)
     cache.begin(16)
