@@ -12,6 +12,19 @@ from jobs import JobState
 from .helpers import MODEL, CountingConnection, assert_logits_match, ids
 
 
+def launched_beside(worker, on_chunk, job: str, others: list[str]) -> list[bool]:
+    """Once `job`'s first chunk landed, whether each of `others` has a chunk in flight: in
+    `job`'s forward pass, not landed yet (filled in as the worker runs)."""
+    beside: list[bool] = []
+
+    def at_first_chunk(job_id, chunk_no):
+        if job_id == job and chunk_no == 1:
+            beside.extend(worker.active[j].prefill.launched for j in others)
+
+    on_chunk(at_first_chunk)
+    return beside
+
+
 def round_trips_of_a_step(worker) -> tuple[int, tuple[str, ...]]:
     """Run the step whose turn it is; returns the requests it sent and its jobs."""
     step = worker.prefill_scheduler.take_turn()
@@ -100,13 +113,7 @@ def test_a_session_turn_shares_steps_and_reuses_its_slot_exactly(setup, on_chunk
     turn_ids = history + ids(41, 8)[1:]
     turn = client.submit(tokens=turn_ids, model=MODEL, top_k=3, session="chat")
     more = [client.submit(tokens=ids(45, s), model=MODEL, top_k=3) for s in (9, 10)]
-    beside = []
-
-    def others_in_the_turns_step(job_id, chunk_no):
-        if job_id == turn and chunk_no == 1:
-            beside.extend(worker.active[j].prefill.launched for j in more)
-
-    on_chunk(others_in_the_turns_step)
+    beside = launched_beside(worker, on_chunk, turn, more)
     worker.work(burst=True)
     assert beside == [True, True]
     result = client.result(turn, timeout=0)
@@ -124,13 +131,7 @@ def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, 
     token_ids = ids(50, 11)
     job = client.submit(tokens=token_ids, model=MODEL, top_k=3, prompt_logprobs=2)
     others = [client.submit(tokens=ids(40, s), model=MODEL, top_k=3) for s in (12, 13)]
-    beside = []
-
-    def others_in_its_step(job_id, chunk_no):
-        if job_id == job and chunk_no == 1:
-            beside.extend(worker.active[j].prefill.launched for j in others)
-
-    on_chunk(others_in_its_step)
+    beside = launched_beside(worker, on_chunk, job, others)
     worker.work(burst=True)
     assert beside == [True, True]
     result = client.result(job, timeout=0)
