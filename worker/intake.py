@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.intermediate_queue import IntermediateQueue
 
 from jobs import keys, protocol, stats
@@ -21,9 +19,6 @@ from jobs.schema import now
 from jobs.scripts import Scripts
 
 log = logging.getLogger("prefillq.worker")
-
-# Redis being away is the connection policy's business (`worker.connection`), never junk.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 
 def fetch_or_drop(connection, queue_key: str, raw_id: bytes | str, job_class, serializer):

@@ -99,7 +99,6 @@ class TakingQueue(Queue):
             log.warning("Redis refused recording the pop of %s: %s", as_text(popped[1]), error)
         return popped
 
-
     @classmethod
     def take(cls, queues: Iterable[Queue], count: int, connection: Redis,
              job_class: type[Job], serializer, expire_s: int) -> list[tuple[Job, Queue]]:
