@@ -15,18 +15,31 @@ import mlx.core as mx
 from ..cache import window_mask
 from ..runtime.streams import split_map
 
-
-def attention_block() -> int:
-    """Queries per block of `blocked_attention` on the default device: 512 on the CPU
-    (bound by exponentials, so skipping masked scores pays), 1,024 elsewhere (bound by
-    kernel launches, so fewer, larger blocks pay)."""
-    return 512 if mx.default_device() == mx.cpu else 1024
+# The fewest queries per block on the CPU: below this, a block's own ops (slices, a mask, an
+# attention call) cost more than the scores a smaller block would skip.
+MIN_CPU_BLOCK = 64
 
 
-def blocked_above() -> int:
+def attention_block(window: int | None = None) -> int:
+    """Queries per block of `blocked_attention` on the default device.
+
+    On the CPU, bound by exponentials (so skipping masked scores pays): 512, or for a
+    sliding-window layer the window itself if smaller, at least `MIN_CPU_BLOCK`. A block of
+    ``b`` queries under a window ``w`` computes ``b x (b + w - 1)`` scores for ``b x w``
+    visible ones; a 512-query block under a 16-token window would compute 33 scores per
+    visible one, a 64-query block 5. Elsewhere 1,024 (bound by kernel launches, so fewer,
+    larger blocks pay).
+    """
+    if mx.default_device() != mx.cpu:
+        return 1024
+    return min(512, max(MIN_CPU_BLOCK, window)) if window else 512
+
+
+def blocked_above(window: int | None = None) -> int:
     """Chunk length in queries above which `cache_attention` attends in blocks: one block on
-    the CPU, 2,048 elsewhere (shorter chunks run faster in one masked attention there)."""
-    return attention_block() if mx.default_device() == mx.cpu else 2048
+    the CPU (`attention_block` of `window`), 2,048 elsewhere (shorter chunks run faster in
+    one masked attention there)."""
+    return attention_block(window) if mx.default_device() == mx.cpu else 2048
 
 
 def masked_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask
@@ -63,11 +76,11 @@ def blocked_attention(
         scale: the score scale.
         position: the chunk's first position.
         window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None.
-        block: queries per block (default `attention_block()`).
+        block: queries per block (default `attention_block` of `window`).
     Returns:
         ``(B, heads, L, head_dim)``.
     """
-    block = block or attention_block()
+    block = block or attention_block(window)
     L = q.shape[2]
     k_start = position - (keys.shape[2] - L)
     outs = []
@@ -108,9 +121,9 @@ def cache_attention(q: mx.array, keys: mx.array, values: mx.array, mask, *, scal
                     position: int, window: int | None, n_kv_heads: int) -> mx.array:
     """A chunk's queries ``(B, heads, L, head_dim)`` over the keys, values and mask a
     `model.kv_cache` layer's ``update`` returned: one masked attention, or blocks of queries
-    (`blocked_attention`) for a chunk longer than `blocked_above()`; heads on parallel CPU
-    streams (`attend_by_groups`). Returns ``(B, heads, L, head_dim)``."""
-    if q.shape[2] > blocked_above() and mask is not None:
+    (`blocked_attention`) for a chunk longer than `blocked_above` of `window`; heads on
+    parallel CPU streams (`attend_by_groups`). Returns ``(B, heads, L, head_dim)``."""
+    if q.shape[2] > blocked_above(window) and mask is not None:
         return attend_by_groups(blocked_attention, n_kv_heads, q, keys, values, scale,
                                 position, window)
     return attend_by_groups(masked_attention, n_kv_heads, q, keys, values, scale, mask)

@@ -316,3 +316,18 @@ def test_blocked_attention_equals_the_masked_one(position, L, block, window):
     blocked = blocked_attention(q, k, v, 0.35, position, window, block=block)
     assert blocked.shape == full.shape
     assert float(mx.abs(blocked - full).max()) < 1e-5
+
+
+def test_cpu_attention_blocks_follow_a_short_window():
+    """On the CPU a sliding-window layer attends in blocks about its window's size (at least
+    `MIN_CPU_BLOCK` queries), so a 16-token window does not score 512 keys per query."""
+    import mlx.core as mx
+
+    from model.archs._attention import MIN_CPU_BLOCK, attention_block, blocked_above
+
+    with mx.stream(mx.cpu):
+        if mx.default_device() != mx.cpu:
+            pytest.skip("the CPU rule; the default device is a GPU")
+        assert attention_block(None) == 512 == attention_block(512) == attention_block(4096)
+        assert attention_block(100) == 100 == blocked_above(100)
+        assert attention_block(16) == MIN_CPU_BLOCK == 64
