@@ -116,7 +116,7 @@ class Scheduler:
         empty look with `saw_intake`), else `Run` the next step (its jobs move to the back
         of the turn order), else `Idle`."""
         if self.intake_waiting:
-            queues = self.queues() if self.resident else []
+            queues = self.queues()
             if queues:
                 return Admit(queues)
         step = self.next_step()
@@ -192,19 +192,22 @@ class Scheduler:
             return False
         return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
 
-    def queues(self) -> list[Queue]:
+    def queues(self, leaving: bool = False) -> list[Queue]:
         """The queues to admit from now, in order (the own queue first, then intake by
-        priority), or none while there is no room. The intake priorities in use are read
+        priority), or none while there is no room (unless `leaving`: a resident job leaves
+        before the next decision, so there will be). The intake priorities in use are read
         from Redis at most every ``refresh_s`` seconds, and after `idle_queues`."""
-        if not self.admitting():
+        if not (leaving or self.admitting()):
             return []
         if self._intake is None or time.monotonic() >= self._intake_read_at + self.refresh_s:
             self._intake, self._intake_read_at = self._intake_by_priority(), time.monotonic()
         return [self.own, *self._intake]
 
-    def queue_keys(self) -> list[str]:
-        """Redis keys of `queues`, whose lengths ride along with a chunk's round trip."""
-        return [q.key for q in self.queues()]
+    def queue_keys(self, leaving: bool = False) -> list[str]:
+        """Redis keys of `queues` (of `leaving`), whose lengths ride along with a step's
+        round trip: a step that completes a job reads them even on a full worker, so the
+        room it frees is filled by the next admission, not by an idle wait on RQ."""
+        return [q.key for q in self.queues(leaving)]
 
     def idle_queues(self) -> list[Queue]:
         """The queues to block on while nothing is resident, with the priorities in use read

@@ -163,7 +163,7 @@ class Stepper(Starts):
             return
         stepped = {active.job_id for active, _ in landed}
         probe = Probe(others=[j for j in self.active if j not in stepped],
-                      queue_keys=self.scheduler.queue_keys(),
+                      queue_keys=self.scheduler.queue_keys(leaving=bool(logits)),
                       chunks=[(max(active.prefill.last_chunk_seconds, 1e-9), n)
                               for active, n in landed])
         reply = self.record([active for active, _ in landed], probe, logits)

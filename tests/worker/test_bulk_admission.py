@@ -54,8 +54,8 @@ def test_no_more_jobs_are_taken_than_there_is_room_for(counted, tiny):
 
 
 def test_a_foreign_rq_job_among_those_taken_is_refused_and_the_rest_admitted(counted, tiny):
-    """The first job comes through RQ's execution (an idle worker blocks in RQ's dequeue);
-    the next two are taken together, and the foreign one goes to RQ's failed registry."""
+    """The three are taken together (a worker looks at intake before it blocks in RQ's
+    dequeue), and the foreign one goes to RQ's failed registry."""
     worker, client = counted(max_active=4)
     first = client.submit(tokens=ids(20, 1), model=MODEL, top_k=3)
     queue = intake_queue(client.redis, MODEL)
@@ -67,3 +67,19 @@ def test_a_foreign_rq_job_among_those_taken_is_refused_and_the_rest_admitted(cou
     assert_logits_match(client.result(first, timeout=0), tiny, ids(20, 1))
     assert_logits_match(client.result(later, timeout=0), tiny, ids(24, 2))
     assert client.redis.smembers(keys.worker_taking("w1")) == set()
+
+
+def test_a_full_worker_fills_the_room_a_step_frees_without_an_rq_execution(counted, tiny):
+    """A step that completes a job reads the intake lengths even though the worker was
+    full, so the job behind it is taken in bulk as the other leaves; an idle worker looks
+    before it blocks in RQ's dequeue. No job costs an RQ execution (about 57 commands)."""
+    worker, client = counted(max_active=2, max_batch_jobs=2)
+    executed = []
+    execute_job = worker.execute_job
+    worker.execute_job = lambda job, queue: (executed.append(job.id), execute_job(job, queue))
+    token_ids = [ids(16, 40 + i) for i in range(6)]  # one chunk each: steps end both jobs
+    jobs = [client.submit(tokens=t, model=MODEL, top_k=3) for t in token_ids]
+    worker.work(burst=True, logging_level="WARNING")
+    assert executed == []
+    for job, t in zip(jobs, token_ids, strict=True):
+        assert_logits_match(client.result(job, timeout=0), tiny, t)

@@ -51,9 +51,13 @@ def free_memory_once_parked(admin: redis.Redis, worker: PrefillWorker, seen: dic
     admin.config_set("maxmemory", 0)
 
 
-@pytest.mark.parametrize("refused_at_chunk", [3, 1], ids=["publish", "checkpoint"])
+# parked: the job's failure; after its publish was refused, also the return to intake of
+# the job taken next (the step that ended the first read the intake lengths; the next one's
+# start was refused)
+@pytest.mark.parametrize("refused_at_chunk,parked", [(3, 2), (1, 1)],
+                         ids=["publish", "checkpoint"])
 def test_a_refused_write_fails_the_job_and_the_worker_serves_on(
-    server, tiny, on_chunk, refused_at_chunk
+    server, tiny, on_chunk, refused_at_chunk, parked
 ):
     admin = redis.Redis.from_url(server.url)
     assert admin.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
@@ -77,7 +81,7 @@ def test_a_refused_write_fails_the_job_and_the_worker_serves_on(
     worker.work(burst=True)  # returns only once both jobs are settled
     freer.join()
 
-    assert seen["parked"] == 1
+    assert seen["parked"] == parked
     assert seen["states"] == {job: b"prefilling", after: b"queued"}
     with pytest.raises(JobFailed) as failed:
         client.result(job, timeout=0)

@@ -72,6 +72,8 @@ def test_next_step_does_not_take_the_turn(make, tiny):
 
 def test_schedule_admits_when_a_job_waits_else_runs_else_idles(make, tiny):
     scheduler = make()
+    assert isinstance(scheduler.schedule(), Admit)  # a look first, even with none resident
+    scheduler.saw_intake(False)
     assert isinstance(scheduler.schedule(), Idle)
     resident(scheduler, tiny, {"a": 16})
     scheduler.saw_intake(True)
