@@ -31,9 +31,11 @@ DEFAULT_MAX_QUEUE_DEPTH = 10_000
 DEFAULT_RESULT_TTL_S = 24 * 3600
 DEFAULT_LOGITS_TTL_S = 3600
 # Jobs a worker keeps resident (KV caches in memory), advanced round-robin.
-DEFAULT_MAX_ACTIVE = 4
-# Resident jobs one step advances at most, a chunk each (1: one job's chunk per step).
-DEFAULT_MAX_BATCH_JOBS = 1
+DEFAULT_MAX_ACTIVE = 8
+# Resident jobs one step advances at most, a chunk each (1: one job's chunk per step), in one
+# packed forward pass where the model packs; a step's tokens are bounded by device too
+# (`worker.scheduler.default_step_tokens`).
+DEFAULT_MAX_BATCH_JOBS = 8
 # A worker counts as dead this long after its last heartbeat.
 DEFAULT_HEARTBEAT_TTL_S = 30
 # Error messages are capped so a pathological input cannot bloat Redis.

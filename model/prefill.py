@@ -69,13 +69,16 @@ class Prefill:
     cached_tokens: int = 0  # tokens a session's slot supplied: the cursor started here
     reuse: str = "cold"  # how they were reused (`model.session`)
     resumed_from: int | None = None  # the cursor a KV checkpoint restored (a restart)
-    last_chunk_seconds: float = 0.0  # wall time of the last chunk, from its launch or step
+    # wall time of the last chunk: from its launch (or step), or from when the chunk before
+    # it landed if it was launched behind that one, so a job's chunks never overlap in time
+    last_chunk_seconds: float = 0.0
     logprobs: PromptLogprobs | None = None  # prompt log-probabilities, for jobs that ask
     _hidden: mx.array | None = field(default=None, repr=False)
     _logits: mx.array | None = field(default=None, repr=False)  # from the last chunk's pass
     # the chunks in flight, oldest first: (start, end, (hidden, head), build seconds, launch
     # time, final logits or None), or the error building one raised
     _launched: list = field(default_factory=list, repr=False)
+    _landed_at: float = field(default=0.0, repr=False)  # perf_counter of the last landing
 
     @property
     def n_tokens(self) -> int:
@@ -138,7 +141,8 @@ class Prefill:
             self.logprobs.record(start, head)
         done = time.perf_counter()
         self.compute_seconds += build_seconds + done - t0
-        self.last_chunk_seconds = done - began
+        self.last_chunk_seconds = done - max(began, self._landed_at)
+        self._landed_at = done
         self.chunks_done += 1
         return end - start
 
@@ -266,7 +270,8 @@ class Prefill:
             self.logprobs.record(start, head)
         done = time.perf_counter()
         self.compute_seconds += done - t0
-        self.last_chunk_seconds = done - began
+        self.last_chunk_seconds = done - max(began, self._landed_at)
+        self._landed_at = done
         self.chunks_done += 1
 
     def logits(self) -> np.ndarray:

@@ -16,6 +16,25 @@ from jobs.limits import Limits
 
 from .checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
+# Default chunks' worth of tokens one step computes at most on a GPU (one on a CPU).
+GPU_STEP_CHUNKS = 4
+
+
+def default_step_tokens() -> int:
+    """Tokens one step computes at most by default (``prefillq worker --step-tokens``): one
+    default chunk (`model.planner.DEFAULT_CHUNK_TOKENS`, 2,048) when MLX's default device is
+    the CPU, `GPU_STEP_CHUNKS` of them on a GPU. On a CPU a step is bound by its arithmetic:
+    one chunk's worth keeps a step as long as a one-job step of a long prompt, so a new job's
+    wait does not grow, while short jobs still share a step. On a GPU a 2,048-token chunk of
+    a small model is bound by the host building its graph (``bench.gpu_ablate``: 82% of a
+    Gemma 3 270M chunk's wall time), so several share one pass."""
+    import mlx.core as mx  # here: `WorkerSettings` is read by CLIs that load no model
+
+    from model.planner import DEFAULT_CHUNK_TOKENS
+
+    chunks = 1 if mx.default_device() == mx.cpu else GPU_STEP_CHUNKS
+    return chunks * DEFAULT_CHUNK_TOKENS
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -28,8 +47,9 @@ class WorkerSettings:
         max_active: jobs resident at once.
         max_batch_jobs: resident jobs one step advances at most, a chunk each
             (`worker.scheduler.Scheduler`).
-        step_tokens: tokens one step computes at most over its jobs' chunks (None: only
-            `max_batch_jobs` bounds a step; a step always takes its first job's chunk).
+        step_tokens: tokens one step computes at most over its jobs' chunks (default: the
+            device's, `default_step_tokens`; None: only `max_batch_jobs`
+            bounds a step; a step always takes its first job's chunk).
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime in seconds of a terminal job's record and of
             its full logits.
@@ -49,7 +69,7 @@ class WorkerSettings:
     chunk_tokens: int | None = None
     max_active: int = DEFAULT_MAX_ACTIVE
     max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS
-    step_tokens: int | None = None
+    step_tokens: int | None = field(default_factory=default_step_tokens)
     kv_budget_bytes: int | None = None
     result_ttl_s: int = DEFAULT_RESULT_TTL_S
     logits_ttl_s: int = DEFAULT_LOGITS_TTL_S

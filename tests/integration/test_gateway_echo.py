@@ -25,7 +25,10 @@ def url(tmp_path_factory):
     """A redis-server and one worker process, shared by this module."""
     tmp = tmp_path_factory.mktemp("gateway-echo")
     server = RedisServer(tmp).start()
-    worker = WorkerProcess(server.url, "gwe1", tmp)
+    # One-job steps: a job's floats then do not depend on the jobs that share its step, so the
+    # gateway's numbers compare bitwise with a native job's (packed steps agree within the
+    # exactness bound: tests/worker/test_packed_steps.py).
+    worker = WorkerProcess(server.url, "gwe1", tmp, "--max-batch-jobs", "1")
     yield server.url
     worker.stop()
     server.stop()

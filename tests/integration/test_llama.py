@@ -17,7 +17,8 @@ CHUNK = 4  # the worker's --chunk-tokens (`WorkerProcess`)
 def test_a_llama_tiny_job_runs_end_to_end_with_in_process_logits(server, workers):
     loaded = load_model(LLAMA)
     client = PrefillClient.from_url(server.url)
-    workers("w1", "--model", LLAMA)
+    # one-job steps: the same graphs as in process (packed steps: test_packed_steps.py)
+    workers("w1", "--model", LLAMA, "--max-batch-jobs", "1")
     token_ids = [int(t) for t in np.random.default_rng(7).integers(0, loaded.vocab_size, 90)]
     by_ids = client.submit(tokens=token_ids, model=LLAMA, top_k=5, logits="full")
     text = "the tiny model is the one in the test"

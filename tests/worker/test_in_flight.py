@@ -55,7 +55,8 @@ def launch_and_cancel(worker, client, job: str) -> None:
 
 
 def test_a_session_turn_canceled_with_a_chunk_in_flight_leaves_its_last_commit(setup, tiny):
-    worker, client = setup(max_active=3)
+    # one-job steps: the other job's step runs while the turn's chunk stays in flight
+    worker, client = setup(max_active=3, max_batch_jobs=1)
     first = client.submit(tokens=HISTORY, model=MODEL, top_k=3, session="chat")
     worker.work(burst=True, logging_level="WARNING")
     second_ids = HISTORY + ids(81, 12)[1:]

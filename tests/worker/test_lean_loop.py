@@ -68,7 +68,7 @@ def test_one_chunk_costs_at_most_nine_redis_commands(server, tiny):
 
 
 def test_fifty_short_jobs_each_start_within_one_chunk_of_a_free_slot(setup, on_chunk, tiny):
-    worker, client = setup(max_active=3)
+    worker, client = setup(max_active=3, max_batch_jobs=1)  # waits counted in one-job steps
     longs = [client.submit(tokens=ids(640, s), model=MODEL) for s in (1, 2)]  # 40 chunks each
     shorts: list[str] = []
     short_ids, arrived = {}, []
@@ -128,8 +128,8 @@ def test_an_idle_worker_sees_a_new_priority_within_one_wait(server, tiny):
 def test_a_step_launches_the_next_step_before_its_round_trip(setup, tiny):
     """Steps are pipelined: once a step's chunks landed, the chunk of the job whose turn
     comes next is on the device while the step's round trip runs; turns keep their order
-    and every result stays exact."""
-    worker, client = setup()
+    and every result stays exact. One-job steps: the next turn is the other job's."""
+    worker, client = setup(max_batch_jobs=1)
     first_ids, second_ids = ids(80, 3), ids(70, 4)
     first = client.submit(tokens=first_ids, model=MODEL, top_k=3)
     second = client.submit(tokens=second_ids, model=MODEL, top_k=3)

@@ -37,7 +37,7 @@ def turns(scheduler: Scheduler, n: int) -> list[tuple[str, ...]]:
 
 
 def test_one_job_per_step_is_round_robin(make, tiny):
-    scheduler = make()
+    scheduler = make(max_batch_jobs=1)
     resident(scheduler, tiny, {"a": 16, "b": 16, "c": 16})
     assert turns(scheduler, 4) == [("a",), ("b",), ("c",), ("a",)]
 

@@ -68,7 +68,9 @@ def test_cancel_in_flight_stops_at_the_next_chunk_boundary_and_spares_others(
 
 
 def test_cancel_releases_a_waiting_jobs_cache_within_one_chunk(setup, on_chunk):
-    worker, client = setup(max_active=3)
+    # one-job steps, so "the next chunk" is another job's step (a cancel inside a packed
+    # step: test_packed_steps.py)
+    worker, client = setup(max_active=3, max_batch_jobs=1)
     jobs = [client.submit(tokens=ids(160, s), model=MODEL) for s in range(3)]
     seen = {}
 

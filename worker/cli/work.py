@@ -45,10 +45,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def settings_of(args: argparse.Namespace):
     """The `worker.settings.WorkerSettings` ``prefillq worker``'s flags ask for: each field
-    from the flag of its name (``--result-ttl`` is ``result_ttl_s``), ``limits`` from
+    from the flag of its name (``--result-ttl`` is ``result_ttl_s``; one left out without a
+    default of its own, ``--step-tokens``, takes the settings' default), ``limits`` from
     `limits_of`; a worker run from the CLI publishes its tokenizers."""
-    return WorkerSettings(**{name: getattr(args, name) for name in CLI_SETTINGS},
-                          limits=limits_of(args))
+    return WorkerSettings(**{name: getattr(args, name) for name in CLI_SETTINGS
+                             if hasattr(args, name)}, limits=limits_of(args))
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
@@ -94,9 +95,10 @@ def add_worker(sub) -> None:
     worker.add_argument("--max-batch-jobs", type=positive_int, default=DEFAULT_MAX_BATCH_JOBS,
                         help="resident jobs one step advances, a chunk each, in turn order "
                              "(default %(default)s)")
-    worker.add_argument("--step-tokens", type=positive_int,
+    worker.add_argument("--step-tokens", type=positive_int, default=argparse.SUPPRESS,
                         help="cap on the tokens of one step's chunks (a step always takes "
-                             "its first job's chunk; default: no cap)")
+                             "its first job's chunk; default: 2,048 on a CPU, 8,192 on a "
+                             "GPU)")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
     worker.add_argument("--session-slots", type=non_negative_int, default=DEFAULT_SESSION_SLOTS,
