@@ -160,6 +160,17 @@ def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
     return hidden
 
 
+def final_logits(model: PrefillModel, hidden: Sequence[mx.array]) -> list[mx.array]:
+    """Each job's final logits from its last hidden state (float ``(1, hidden)`` each), with
+    one pass of the output head over them all, started on the device (``mx.async_eval``)
+    without waiting: float ``(vocab,)`` each, lazy."""
+    if not hidden:
+        return []
+    rows = model.logits(mx.concatenate(list(hidden)))  # (jobs, vocab)
+    mx.async_eval(rows)
+    return [rows[i] for i in range(len(hidden))]
+
+
 def eval_or_poison(cache: ModelCache, *arrays) -> None:
     """``mx.eval(*arrays)``; whatever it raises poisons `cache` first."""
     try:

@@ -1,4 +1,5 @@
-"""Prompt log-probabilities: the output head on every position of each chunk.
+"""Log-probabilities: the top k of a job's final logits, and prompt log-probabilities (the
+output head on every position of each chunk).
 
 Only what a job returns (each next token's logprob and the top K) leaves the device, never
 the ``(L, vocab)`` logits (docs/benchmarks.md, "Figures behind the code's choices", has the cost).
@@ -7,12 +8,32 @@ the ``(L, vocab)`` logits (docs/benchmarks.md, "Figures behind the code's choice
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from .chunk import PrefillModel
-from .prefill import top_k
+
+
+@dataclass
+class TopToken:
+    id: int
+    logit: float
+    logprob: float
+
+
+def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
+    """The `k` highest of `logits` (float32 ``(vocab,)``), highest first, with log-softmax
+    over the whole vocabulary."""
+    k = max(0, min(k, logits.shape[0]))
+    if k == 0:
+        return []
+    ids = np.argpartition(-logits, k - 1)[:k]
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    peak = float(logits.max())
+    log_z = peak + float(np.log(np.exp((logits - peak).astype(np.float64)).sum()))
+    return [TopToken(int(i), float(logits[i]), float(logits[i]) - log_z) for i in ids]
 
 
 def chunk_head(model: PrefillModel, every: mx.array, targets: Sequence[int], k: int):

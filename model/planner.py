@@ -175,3 +175,19 @@ def plan_chunks(
         start = end
     return ChunkPlan(n_tokens=n_tokens, chunk_sizes=tuple(sizes), recovery_position=anchor_at,
                      start=cursor)
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, context_length: int) -> list[int]:
+    """`token_ids` as a list of ints, checked against the vocabulary and the context.
+
+    Raises:
+        ValueError: no ids, more than `context_length` of them, or an id outside
+            ``[0, vocab_size)``.
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids or len(ids) > context_length:
+        raise ValueError(f"a prompt of {len(ids)} tokens does not fit a context of "
+                         f"{context_length}")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
+    return ids

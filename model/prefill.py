@@ -19,32 +19,19 @@ import numpy as np
 
 from .cache import CachePoisoned
 from .cache_state import CacheState, dtype_name
-from .chunk import PrefillModel, eval_or_poison, finish_chunk, launch_chunk, launch_packed
+from .chunk import (
+    PrefillModel,
+    eval_or_poison,
+    final_logits,
+    finish_chunk,
+    launch_chunk,
+    launch_packed,
+)
 from .kv_cache import ModelCache
-from .planner import ChunkPlan, plan_chunks
+from .planner import ChunkPlan, check_prompt, plan_chunks
 
 if TYPE_CHECKING:
     from .logprobs import PromptLogprobs
-
-
-@dataclass
-class TopToken:
-    id: int
-    logit: float
-    logprob: float
-
-
-def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
-    """The `k` highest of `logits` (float32 ``(vocab,)``), highest first, with log-softmax
-    over the whole vocabulary."""
-    k = max(0, min(k, logits.shape[0]))
-    if k == 0:
-        return []
-    ids = np.argpartition(-logits, k - 1)[:k]
-    ids = ids[np.argsort(-logits[ids], kind="stable")]
-    peak = float(logits.max())
-    log_z = peak + float(np.log(np.exp((logits - peak).astype(np.float64)).sum()))
-    return [TopToken(int(i), float(logits[i]), float(logits[i]) - log_z) for i in ids]
 
 
 @dataclass
@@ -333,33 +320,6 @@ class Prefill:
         self.chunks_done = 0
         self._hidden = self._logits = None
         self._launched = []
-
-
-def final_logits(model: PrefillModel, hidden: Sequence[mx.array]) -> list[mx.array]:
-    """Each job's final logits from its last hidden state (float ``(1, hidden)`` each), with
-    one pass of the output head over them all, started on the device (``mx.async_eval``)
-    without waiting: float ``(vocab,)`` each, lazy."""
-    if not hidden:
-        return []
-    rows = model.logits(mx.concatenate(list(hidden)))  # (jobs, vocab)
-    mx.async_eval(rows)
-    return [rows[i] for i in range(len(hidden))]
-
-
-def check_prompt(token_ids: Sequence[int], vocab_size: int, context_length: int) -> list[int]:
-    """`token_ids` as a list of ints, checked against the vocabulary and the context.
-
-    Raises:
-        ValueError: no ids, more than `context_length` of them, or an id outside
-            ``[0, vocab_size)``.
-    """
-    ids = [int(t) for t in token_ids]
-    if not ids or len(ids) > context_length:
-        raise ValueError(f"a prompt of {len(ids)} tokens does not fit a context of "
-                         f"{context_length}")
-    if not all(0 <= t < vocab_size for t in ids):
-        raise ValueError(f"a token id is outside the vocabulary [0, {vocab_size})")
-    return ids
 
 
 def start_prefill(

@@ -16,8 +16,8 @@ import numpy as np
 
 from .cache_plan import cache_capacity_for_request
 from .chunk import PrefillModel
-from .planner import RECOVERY_TAIL_TOKENS, ChunkPlan, plan_chunks, recovery_position
-from .prefill import Prefill, check_prompt
+from .planner import RECOVERY_TAIL_TOKENS, ChunkPlan, check_prompt, plan_chunks, recovery_position
+from .prefill import Prefill
 
 __all__ = [
     "MAX_CHEAP_INCREMENTAL_SUFFIX_TOKENS", "MIN_MATRIX_REUSE_PREFIX_TOKENS",
@@ -355,7 +355,7 @@ def session_prefill(
     Returns:
         (the prefill, the slot it writes into: `slot` itself, or the new one).
     Raises:
-        ValueError: the prompt fails `model.prefill.check_prompt`.
+        ValueError: the prompt fails `model.planner.check_prompt`.
     """
     ids = check_prompt(token_ids, vocab_size, context_length)
     if slot is None:

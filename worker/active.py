@@ -9,7 +9,8 @@ import numpy as np
 
 from jobs.result import TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
-from model.prefill import Prefill, top_k
+from model.logprobs import top_k
+from model.prefill import Prefill
 from model.registry import LoadedModel
 
 from .checkpoints.checkpointing import JobCheckpoints

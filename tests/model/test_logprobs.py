@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.prefill import top_k
+from model.logprobs import top_k
 from tests.exactness import EXACT_RTOL
 
 IDS = [2, *range(260, 330)]  # 71 ids of the tiny Gemma 3's text tokens
