@@ -1,4 +1,5 @@
-"""python -m bench.scale [--workers 8] [--jobs N] [--chunks-per-job 64] [--json] [--out FILE]
+"""python -m bench.scale [--workers 8] [--jobs N] [--chunks-per-job 64] [--worker-args ARGS]
+                       [--json] [--out FILE]
 
 Many worker processes on one redis-server: chunks/s, Redis commands/s and Redis CPU over a
 steady window, and from the Redis CPU per chunk how many GPU workers one Redis primary would
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -188,7 +190,8 @@ def measure(args: argparse.Namespace, log_dir: Path) -> Window:
     """
     with RedisServer() as server:
         conn = redis.Redis.from_url(server.url)
-        fleet = WorkerFleet(server.url, args.workers, log_dir)
+        fleet = WorkerFleet(server.url, args.workers, log_dir, options=[
+            "--chunk-tokens", str(CHUNK_TOKENS), *shlex.split(args.worker_args)])
         try:
             fleet.wait_registered(conn)
             log(f"scale: {args.workers} workers registered; submitting {args.jobs} jobs")
@@ -233,7 +236,7 @@ def report(rec: Recorder, args: argparse.Namespace, w: Window) -> None:
 def _context(args: argparse.Namespace) -> dict:
     return machine_context("scale", redis=True) | {
         "workers": args.workers, "jobs": args.jobs, "chunks_per_job": args.chunks_per_job,
-        "warmup_s": args.warmup, "window_s": args.seconds}
+        "warmup_s": args.warmup, "window_s": args.seconds, "worker_args": args.worker_args}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int,
                    help="jobs to submit (default: 8 x max_active per worker, enough to keep "
                    "every worker busy through warm-up and window on 2 cores)")
+    p.add_argument("--worker-args", default="",
+                   help="further prefillq worker options, split as a shell would (e.g. "
+                   "'--max-batch-jobs 1' for one-job steps; default: none)")
     p.add_argument("--chunks-per-job", type=int, default=64,
                    help=f"{CHUNK_TOKENS}-token chunks per job (default %(default)s)")
     p.add_argument("--warmup", type=float, default=5.0,

@@ -75,7 +75,8 @@ def test_scale_runs_worker_processes_on_one_redis(capsys, tmp_path):
 
     out = tmp_path / "scale.jsonl"
     assert main(["--workers", "2", "--jobs", "4", "--chunks-per-job", "16", "--warmup", "0",
-                 "--seconds", "1.5", "--json", "--out", str(out)]) == 0
+                 "--seconds", "1.5", "--worker-args", "--max-batch-jobs 1", "--json",
+                 "--out", str(out)]) == 0
     records = {r["metric"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(records) == {"scale_chunks_per_s", "scale_redis_commands_per_s",
                             "scale_redis_commands_per_chunk", "scale_redis_cpu_fraction",
@@ -86,8 +87,12 @@ def test_scale_runs_worker_processes_on_one_redis(capsys, tmp_path):
         assert r["window_s"] >= 1.5 and r["value"] > 0
     per_chunk = records["scale_redis_commands_per_chunk"]
     assert per_chunk["by_command"]["evalsha"] > 0  # the chunk's progress script
+    # one-job steps (--worker-args reached the workers): each step reads the cancel flag of
+    # the other job resident on its worker
+    assert per_chunk["by_command"]["exists"] > 0.5
     assert records["scale_redis_cpu_fraction"]["value"] < 1
-    assert json.loads(out.read_text().splitlines()[0])["context"]["workers"] == 2
+    context = json.loads(out.read_text().splitlines()[0])["context"]
+    assert context["workers"] == 2 and context["worker_args"] == "--max-batch-jobs 1"
 
 
 def test_session_turn_over_cold_runs_on_the_tiny_model(capsys, tiny):
