@@ -21,7 +21,7 @@ from .common import Recorder, bench_parser, load_or_exit, machine_context, refus
 REPEATED = 300  # tokens of the repeated prompt: the mean of bench.serve's 32-512
 WARMUP = 5
 NEW_FROM = 33  # new lengths are NEW_FROM, NEW_FROM + 1, ...: none is REPEATED
-HEADS, HEAD_DIM = 4, 16  # the attention-alone case: the tiny Gemma 3's query heads
+HEADS, HEAD_DIM = 4, 16  # the attention-alone case by default: the tiny Gemma 3's heads
 SHAPES = "gemma3-270m-shapes"
 
 
@@ -41,14 +41,14 @@ def ms_per_job(loaded, lengths: list[int], rng: np.random.Generator) -> float:
     return (time.perf_counter() - t0) / len(lengths) * 1e3
 
 
-def attention_ms(lengths: list[int], dtype: mx.Dtype) -> float:
+def attention_ms(lengths: list[int], dtype: mx.Dtype, head_dim: int = HEAD_DIM) -> float:
     """Mean milliseconds of one causal ``mx.fast.scaled_dot_product_attention`` of `HEADS`
-    query heads over one KV head (head dim `HEAD_DIM`) per length of `lengths`, inputs
-    evaluated before the clock starts."""
+    query heads over one KV head of `head_dim` per length of `lengths`, inputs evaluated
+    before the clock starts."""
     total = 0.0
     for n in lengths:
-        q = mx.random.normal((1, HEADS, n, HEAD_DIM)).astype(dtype)
-        kv = mx.random.normal((1, 1, n, HEAD_DIM)).astype(dtype)
+        q = mx.random.normal((1, HEADS, n, head_dim)).astype(dtype)
+        kv = mx.random.normal((1, 1, n, head_dim)).astype(dtype)
         mx.eval(q, kv)
         t0 = time.perf_counter()
         mx.eval(mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.25, mask="causal"))
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gemma3-tiny",
                         help=f"a registry name, or {SHAPES} (random bf16 weights, "
                              "bench.gpu_queue's) (default %(default)s)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[HEAD_DIM],
+                        help="head dims of the attention-alone case (default %(default)s)")
     parser.add_argument("--lengths", type=int, default=20,
                         help="new prompt lengths, each run once (default %(default)s)")
     args = parser.parse_args(argv)
@@ -72,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     repeated = ms_per_job(loaded, [REPEATED] * args.lengths, rng)
     first = ms_per_job(loaded, new, rng)
     again = ms_per_job(loaded, new, rng)
-    attention_ms([REPEATED], loaded.dtype)
-    attention_new = attention_ms([n + 1000 for n in new], loaded.dtype)
-    attention_seen = attention_ms([n + 1000 for n in new], loaded.dtype)
     context = {**machine_context("lengths"), "model": args.model,
                "device": str(mx.default_device()), "dtype": str(loaded.dtype),
                "repeated_tokens": REPEATED, "new_lengths": new}
@@ -83,9 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     record("prefill_ms_new_length", first, "ms/job", how="each length's first prefill")
     record("prefill_ms_seen_length", again, "ms/job", how="the same lengths again")
     record("new_length_cost_ms", first - again, "ms/job")
-    record("attention_ms_new_shape", attention_new, "ms", heads=HEADS, head_dim=HEAD_DIM,
-           keys=f"{new[0] + 1000}-{new[-1] + 1000}")
-    record("attention_ms_seen_shape", attention_seen, "ms")
+    shapes = [n + 1000 for n in new]  # no prefill ran these; each head dim is a new shape
+    for head_dim in args.head_dims:
+        attention_ms([REPEATED], loaded.dtype, head_dim)
+        first_ms = attention_ms(shapes, loaded.dtype, head_dim)
+        seen_ms = attention_ms(shapes, loaded.dtype, head_dim)
+        record("attention_ms_new_shape", first_ms, "ms", heads=HEADS, head_dim=head_dim,
+               keys=f"{shapes[0]}-{shapes[-1]}")
+        record("attention_ms_seen_shape", seen_ms, "ms", heads=HEADS, head_dim=head_dim)
     return 0
 
 

@@ -268,19 +268,22 @@ def report(rec: Recorder, runs: list[ArmRun], arms: list[Arm], model: str,
             how="median over rounds of the two arms' jobs/s in the same round", **floor)
 
 
-def workload(loaded, jobs: int, seed: int) -> Workload:
-    """`jobs` prompts (`plan_prompts`, `seed`), `WARMUP_JOBS` others, and the in-process
-    top-1 ids (``Prefill.run``) of `CHECKED_JOBS` measured prompts: the shortest, the
-    longest, and random others."""
+def workload(loaded, jobs: int, seed: int, every_length: bool = False) -> Workload:
+    """`jobs` prompts (`plan_prompts`, `seed`), `WARMUP_JOBS` others (with `every_length`,
+    one of each length in `LENGTHS` instead, shortest first), and the in-process top-1 ids
+    (``Prefill.run``) of `CHECKED_JOBS` measured prompts: the shortest, the longest, and
+    random others."""
     prompts = plan_prompts(jobs, loaded.name, loaded.vocab_size, seed)
     by_length = sorted(range(jobs), key=lambda i: len(prompts[i]))
     picks, rng = {by_length[0], by_length[-1]}, random.Random(seed)
     while len(picks) < min(CHECKED_JOBS, jobs):
         picks.add(rng.randrange(jobs))
     expected = {i: int(loaded.start_prefill(prompts[i]).run().argmax()) for i in sorted(picks)}
-    return Workload(loaded.name, prompts,
-                    plan_prompts(WARMUP_JOBS, loaded.name, loaded.vocab_size, -1 - seed),
-                    expected)
+    warmup = plan_prompts(WARMUP_JOBS, loaded.name, loaded.vocab_size, -1 - seed)
+    if every_length:
+        lo, hi = LENGTHS
+        warmup = [[2] * n for n in range(lo, hi + 1)]  # the ids do not matter, the shapes do
+    return Workload(loaded.name, prompts, warmup, expected)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "first is the one the others are divided by; default: one-job steps, "
                    "then the worker's defaults)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
+    p.add_argument("--warmup-every-length", action="store_true",
+                   help="warm each worker up with one prompt of every length in 32-512 "
+                   "instead of 8: a backend that builds something per shape (cuDNN's "
+                   "attention on a CUDA GPU) is then measured in its steady state")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds an arm's jobs may take to end (default %(default)s)")
     return p
@@ -305,7 +312,7 @@ def _context(args: argparse.Namespace, arms: list[Arm], chosen: str, work: Workl
     return machine_context("serve", redis=True) | {
         "jobs": args.jobs, "rounds": args.rounds, "model": args.model, "seed": args.seed,
         "arms": {arm.name: shlex.join(arm.flags) for arm in arms}, "arms_chosen": chosen,
-        "clients": CLIENTS, "warmup_jobs": WARMUP_JOBS, "lengths": LENGTHS,
+        "clients": CLIENTS, "warmup_jobs": len(work.warmup), "lengths": LENGTHS,
         "tokens": sum(map(len, work.prompts)), "top1_checked": sorted(work.expected),
         "submitted": "all at once, as fast as the clients go", "blas": blas_summary()}
 
@@ -317,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     arms, chosen = (args.arm, "given") if args.arm else default_arms()
     if len({arm.name for arm in arms}) != len(arms):
         p.error("arm names must differ")
-    work = workload(load_or_exit(p, args.model), args.jobs, args.seed)
+    work = workload(load_or_exit(p, args.model), args.jobs, args.seed,
+                    args.warmup_every_length)
     rec = Recorder(args.json, _context(args, arms, chosen, work), args.out)
     runs = []
     with tempfile.TemporaryDirectory(prefix="prefillq-serve-") as log_dir, \

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from bench.serve import LENGTHS, Arm, main, parse_arm, plan_prompts
+from bench.serve import LENGTHS, Arm, main, parse_arm, plan_prompts, workload
 
 
 def test_an_arm_is_a_name_and_the_worker_flags_split_as_a_shell_would():
@@ -27,6 +27,12 @@ def test_every_arm_gets_the_same_prompts_of_scoring_lengths():
     assert prompts == plan_prompts(200, "gemma3-tiny", 365, seed=3)
     assert all(LENGTHS[0] <= len(p) <= LENGTHS[1] and p[0] == 2 for p in prompts)
     assert all(260 <= i < 365 for p in prompts for i in p[1:])
+
+
+def test_a_warm_up_of_every_length_runs_each_length_once(tiny):
+    work = workload(tiny, 4, seed=0, every_length=True)
+    assert [len(p) for p in work.warmup] == list(range(LENGTHS[0], LENGTHS[1] + 1))
+    assert len(workload(tiny, 4, seed=0).warmup) == 8
 
 
 def test_two_arms_alternate_through_one_worker_each(capsys, tmp_path):
