@@ -13,7 +13,8 @@ from model.runtime import cuda_graphs
 def test_unset_knobs_get_the_defaults_and_set_ones_are_kept():
     env = {"MLX_MAX_OPS_PER_BUFFER": "20"}
     assert cuda_graphs.configure(env) == {"MLX_MAX_OPS_PER_BUFFER": "20",
-                                          "MLX_CUDA_GRAPH_CACHE_SIZE": "2000"}
+                                          "MLX_CUDA_GRAPH_CACHE_SIZE": "2000",
+                                          "MLX_CUDA_SDPA_CACHE_SIZE": "8192"}
     assert env["MLX_CUDA_GRAPH_CACHE_SIZE"] == "2000"
 
 
