@@ -279,10 +279,10 @@ def workload(loaded, jobs: int, seed: int, every_length: bool = False) -> Worklo
     while len(picks) < min(CHECKED_JOBS, jobs):
         picks.add(rng.randrange(jobs))
     expected = {i: int(loaded.start_prefill(prompts[i]).run().argmax()) for i in sorted(picks)}
-    warmup = plan_prompts(WARMUP_JOBS, loaded.name, loaded.vocab_size, -1 - seed)
-    if every_length:
-        lo, hi = LENGTHS
-        warmup = [[2] * n for n in range(lo, hi + 1)]  # the ids do not matter, the shapes do
+    if every_length:  # the ids do not matter, the shapes do
+        warmup = [[2] * n for n in range(LENGTHS[0], LENGTHS[1] + 1)]
+    else:
+        warmup = plan_prompts(WARMUP_JOBS, loaded.name, loaded.vocab_size, -1 - seed)
     return Workload(loaded.name, prompts, warmup, expected)
 
 

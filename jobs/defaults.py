@@ -34,7 +34,7 @@ DEFAULT_LOGITS_TTL_S = 3600
 DEFAULT_MAX_ACTIVE = 8
 # Resident jobs one step advances at most, a chunk each (1: one job's chunk per step), in one
 # packed forward pass where the model packs; a step's tokens are bounded by device too
-# (`worker.scheduler.default_step_tokens`).
+# (`worker.settings.default_step_tokens`).
 DEFAULT_MAX_BATCH_JOBS = 8
 # A worker counts as dead this long after its last heartbeat.
 DEFAULT_HEARTBEAT_TTL_S = 30

@@ -124,6 +124,14 @@ class Prefill:
         else:
             self._hidden = finish_chunk(self.cache, hidden, end - start, (*head, *final))
         self._logits = logits
+        self._landed(start, head, began, t0, build_seconds)
+        return end - start
+
+    def _landed(self, start: int, head: tuple, began: float, t0: float,
+                build_seconds: float = 0.0) -> None:
+        """A chunk's bookkeeping once it committed: its prompt logprobs, its compute time
+        (`build_seconds` plus the wait from `t0`), its wall time (from `began`, its launch,
+        or from the landing before it if it was launched behind that one) and the count."""
         if self.logprobs is not None:
             self.logprobs.record(start, head)
         done = time.perf_counter()
@@ -131,7 +139,6 @@ class Prefill:
         self.last_chunk_seconds = done - max(began, self._landed_at)
         self._landed_at = done
         self.chunks_done += 1
-        return end - start
 
     def launch(self, ahead: bool = False) -> None:
         """Start the next chunk on the device without waiting for it, so the caller's own
@@ -253,13 +260,7 @@ class Prefill:
         eval_or_poison(self.cache, hidden, *head)
         self.cache.commit(end - start)
         self._hidden, self._logits = hidden, None
-        if self.logprobs is not None:
-            self.logprobs.record(start, head)
-        done = time.perf_counter()
-        self.compute_seconds += done - t0
-        self.last_chunk_seconds = done - max(began, self._landed_at)
-        self._landed_at = done
-        self.chunks_done += 1
+        self._landed(start, head, began, t0)
 
     def logits(self) -> np.ndarray:
         """Final-position logits, float32 ``(vocab,)``; they also complete ``logprobs``

@@ -48,8 +48,8 @@ class WorkerSettings:
         max_batch_jobs: resident jobs one step advances at most, a chunk each
             (`worker.scheduler.Scheduler`).
         step_tokens: tokens one step computes at most over its jobs' chunks (default: the
-            device's, `default_step_tokens`; None: only `max_batch_jobs`
-            bounds a step; a step always takes its first job's chunk).
+            device's, `default_step_tokens`; None: only `max_batch_jobs` bounds a step; a
+            step always takes its first job's chunk).
         kv_budget_bytes: no new job is admitted while resident KV bytes exceed this.
         result_ttl_s, logits_ttl_s: lifetime in seconds of a terminal job's record and of
             its full logits.
