@@ -3,15 +3,19 @@
 The compiled calls save the host the building and launching of each layer's many small MLX
 ops (docs/benchmarks.md, "Where a GPU chunk's time goes"). The equations are
 `model.archs.gemma3`'s exactly; `tests/model/test_gemma3_graph.py` checks the two agree.
+`GraphForward.packed` runs several jobs' chunks in one pass the same way (`_pre_packed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from ._packed import job_outputs
 
 Attend = Callable[..., mx.array]
 
@@ -32,6 +36,27 @@ def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int
                    offset=offset)
     return (rope(heads_first(q, heads, w_q_norm)), rope(heads_first(k, kv_heads, w_k_norm)),
             heads_first(v, kv_heads))
+
+
+def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
+                kv_heads: int, head_dim: int, base: float):
+    """`_pre` over several jobs' rows packed along ``L`` (`x` ``(1, L, hidden)``), each row
+    rotated at its own position (`positions`, int32 ``(L,)``): the rows become RoPE's batch,
+    whose per-batch offsets MLX takes, so a row is rotated as `_pre` rotates it in its own
+    job's chunk -> q, k, v ``(1, heads, L, head_dim)``."""
+    _, L, _ = x.shape
+    qkv = mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T
+    q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+
+    def rows_first(y, n, w_n=None):  # (L, n, 1, head_dim): one row a batch entry
+        y = y.reshape(L, n, 1, head_dim)
+        return y if w_n is None else mx.fast.rms_norm(y, w_n, eps)
+
+    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=1.0,
+                   offset=positions)
+    return tuple(y.transpose(2, 1, 0, 3) for y in (  # (1, n, L, head_dim)
+        rope(rows_first(q, heads, w_q_norm)), rope(rows_first(k, kv_heads, w_k_norm)),
+        rows_first(v, kv_heads)))
 
 
 def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, *,
@@ -59,18 +84,19 @@ class GraphForward:
 
     def __init__(self, attend: Attend):
         self.attend = attend
-        self._pre: dict[float, Callable] = {}
+        self._pre: dict[tuple[bool, float], Callable] = {}
         self._post: Callable | None = None
         self._weights: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def _compiled(self, args, base: float):
-        if base not in self._pre:
-            self._pre[base] = mx.compile(partial(
-                _pre, eps=args.rms_norm_eps, heads=args.num_attention_heads,
-                kv_heads=args.num_key_value_heads, head_dim=args.head_dim, base=base))
+    def _compiled(self, args, base: float, packed: bool = False):
+        if (packed, base) not in self._pre:
+            self._pre[packed, base] = mx.compile(partial(
+                _pre_packed if packed else _pre, eps=args.rms_norm_eps,
+                heads=args.num_attention_heads, kv_heads=args.num_key_value_heads,
+                head_dim=args.head_dim, base=base))
         if self._post is None:
             self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
-        return self._pre[base], self._post
+        return self._pre[packed, base], self._post
 
     def _stacked(self, layer: int, block) -> tuple[mx.array, mx.array]:
         """Layer `layer`'s q, k, v weights stacked into one matrix, and gate and up into
@@ -91,14 +117,59 @@ class GraphForward:
         h = model.embed(inputs)
         offset = mx.array(position, dtype=mx.int32)
         for layer, block in enumerate(model.blk):
-            a, f = block.attn, block.mlp
+            a = block.attn
             pre, post = self._compiled(args, a.rope_base)
             w_qkv, w_gate_up = self._stacked(layer, block)
             q, k, v = pre(h, offset, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                           a.attn_k_norm.weight)
             keys, values, mask = cache[layer].update(k, v, position)
             out = self.attend(q, keys, values, a.scale, position, a.window, mask)
-            h = post(h, out, a.attn_output.weight, block.post_attention_norm.weight,
-                     block.ffn_norm.weight, w_gate_up, f.ffn_down.weight,
-                     block.post_ffw_norm.weight)
+            h = self._post_of(post, h, out, block, w_gate_up)
         return model.output_norm(h if every_position else h[:, -1, :])
+
+    def packed(self, model, inputs: list[mx.array], caches: list,
+               every_position: Sequence[bool] | None = None) -> list[mx.array]:
+        """Several jobs' chunks in one forward pass, with the contract of
+        `model.archs._packed.PackedModel.packed`: the compiled graphs run over every job's
+        rows at once (packed along ``L``, each row rotated at its own position), the cache
+        update and the attention per job.
+
+        Args:
+            inputs: each job's chunk of token ids, int32 ``(L_i,)``, none empty.
+            caches: each job's cache (rows ``[position, position + L_i)`` are written).
+            every_position: per job, whether it gets every position's hidden state.
+        Returns:
+            per job, float ``(1, hidden)`` or ``(1, L_i, hidden)`` (`every_position`).
+        """
+        args = model.args
+        lengths = [int(x.shape[0]) for x in inputs]
+        starts = np.cumsum([0, *lengths])
+        positions = [cache.position for cache in caches]
+        rows = mx.array(np.concatenate([np.arange(p, p + n, dtype=np.int32)
+                                        for p, n in zip(positions, lengths, strict=True)]))
+        h = model.embed(mx.concatenate(inputs)[None])
+        for layer, block in enumerate(model.blk):
+            a = block.attn
+            pre, post = self._compiled(args, a.rope_base, packed=True)
+            w_qkv, w_gate_up = self._stacked(layer, block)
+            q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
+                          a.attn_k_norm.weight)
+            outs = []
+            for i, (cache, position) in enumerate(zip(caches, positions, strict=True)):
+                mine = slice(int(starts[i]), int(starts[i + 1]))
+                keys, values, mask = cache[layer].update(k[:, :, mine], v[:, :, mine],
+                                                         position)
+                outs.append(self.attend(q[:, :, mine], keys, values, a.scale, position,
+                                        a.window, mask))
+            h = self._post_of(post, h, mx.concatenate(outs, axis=2), block, w_gate_up)
+        return job_outputs(model.output_norm, h, lengths,
+                           every_position or [False] * len(lengths))
+
+    @staticmethod
+    def _post_of(post: Callable, h: mx.array, out: mx.array, block, w_gate_up: mx.array
+                 ) -> mx.array:
+        """`post` (the compiled `_post`) of layer `block` on its input `h` and attention
+        output `out`."""
+        return post(h, out, block.attn.attn_output.weight, block.post_attention_norm.weight,
+                    block.ffn_norm.weight, w_gate_up, block.mlp.ffn_down.weight,
+                    block.post_ffw_norm.weight)

@@ -43,8 +43,8 @@ def attend_each(attend: Attend, q: mx.array, k: mx.array, v: mx.array, caches: l
 class PackedModel:
     """`packs` and `packed` of an architecture's ``Model``: a mixin for one with
     ``embed(inputs)``, ``blk`` (blocks with ``packed(x, layer caches, positions,
-    lengths)``) and ``output_norm``. A model with a path that cannot pack (Gemma 3's
-    compiled graphs) overrides `packs`."""
+    lengths)``) and ``output_norm``. A model with another forward path (Gemma 3's
+    compiled graphs) overrides `packs` and `packed`."""
 
     blk: Sequence
     output_norm: Callable[[mx.array], mx.array]

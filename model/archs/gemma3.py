@@ -7,6 +7,7 @@ after the GGUF tensors (``blk.N.attn_q``), so loading needs no mapping.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -214,18 +215,29 @@ class Model(nn.Module, KVCacheModel, PackedModel):
             ``(B, L, hidden)`` of every position with `every_position`.
         """
         if graph_applies(self, cache):
-            if self._graph is None:
-                self._graph = GraphForward(_fused_attend)
-            return self._graph(self, inputs, cache, every_position)
+            return self._graph_forward()(self, inputs, cache, every_position)
         h = self.embed(inputs)
         for layer, block in enumerate(self.blk):
             h = block(h, cache[layer], cache.position)
         return self.output_norm(h if every_position else h[:, -1, :])
 
     def packs(self, caches: list[ModelCache]) -> bool:
-        """Whether `packed` serves chunks of `caches`: not on the compiled-graph path (a
-        CUDA GPU in bf16), whose graphs are built for one job's chunk."""
-        return not any(graph_applies(self, cache) for cache in caches)
+        """Whether `packed` serves chunks of `caches`: when all of them take the same path,
+        the compiled graphs (`graph_applies`) or the module forward."""
+        return len({graph_applies(self, cache) for cache in caches}) == 1
+
+    def packed(self, inputs: list[mx.array], caches: list[ModelCache],
+               every_position: Sequence[bool] | None = None) -> list[mx.array]:
+        """`model.archs._packed.PackedModel.packed`, through the compiled graphs where they
+        apply (`_gemma3_graph.GraphForward.packed`)."""
+        if graph_applies(self, caches[0]):
+            return self._graph_forward().packed(self, inputs, caches, every_position)
+        return PackedModel.packed(self, inputs, caches, every_position)
+
+    def _graph_forward(self) -> GraphForward:
+        if self._graph is None:
+            self._graph = GraphForward(_fused_attend)
+        return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token ids, int32 ``(..., L)`` -> the embedding scaled by sqrt(hidden), as Gemma

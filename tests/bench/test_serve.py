@@ -30,9 +30,9 @@ def test_every_arm_gets_the_same_prompts_of_scoring_lengths():
 
 
 def test_a_warm_up_of_every_length_runs_each_length_once(tiny):
-    work = workload(tiny, 4, seed=0, every_length=True)
+    work = workload(tiny, "gemma3-tiny", 4, seed=0, every_length=True)
     assert [len(p) for p in work.warmup] == list(range(LENGTHS[0], LENGTHS[1] + 1))
-    assert len(workload(tiny, 4, seed=0).warmup) == 8
+    assert len(workload(tiny, "gemma3-tiny", 4, seed=0).warmup) == 8
 
 
 def test_two_arms_alternate_through_one_worker_each(capsys, tmp_path):
@@ -60,3 +60,14 @@ def test_two_arms_alternate_through_one_worker_each(capsys, tmp_path):
     context = json.loads(out.read_text().splitlines()[0])["context"]
     assert context["arms"] == {"one": "--max-active 1", "two": "--max-active 8"}
     assert context["arms_chosen"] == "given" and context["tokens"] == runs[0]["tokens"]
+
+
+def test_the_hf_peer_batches_the_prompts_as_given_or_longest_first():
+    from bench.serve_peer_hf import batches
+
+    prompts = plan_prompts(10, "gemma3-270m-shapes", 262_144, seed=1)
+    assert batches(prompts, 4, "submit") == [prompts[:4], prompts[4:8], prompts[8:]]
+    by_length = [p for group in batches(prompts, 4, "length") for p in group]
+    assert sorted(prompts, key=len, reverse=True) == by_length
+    with pytest.raises(ValueError, match="order"):
+        batches(prompts, 4, "random")

@@ -1,6 +1,7 @@
 """`model.archs._gemma3_graph.GraphForward` (the compiled per-layer graphs a CUDA GPU runs) on
 the CPU with MLX's attention in place of the fused kernel: the same logits as the module
-forward, chunk by chunk across sliding-window wraps, on the tiny and the real Gemma 3."""
+forward, chunk by chunk across sliding-window wraps, on the tiny and the real Gemma 3, alone
+and in packed steps of several jobs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from model.archs import gemma3
 from model.archs._gemma3_graph import GraphForward
 
 # float32 on the CPU, x max |logit|: compiled vs module forward measure 5.3e-7 to 1.0e-6
-# on the tiny model and 0.0 on Gemma 3 270M. The equations are the same; the stacked q/k/v
-# and gate/up matmuls sum in another blocking. The bound is ~5x the worst measured; a wrong
-# weight, offset or norm moves logits by O(1) of their scale.
+# on the tiny model and 0.0 on Gemma 3 270M; packed steps of the compiled graphs against
+# each job alone, 4.2e-7 to 7.3e-7 (tiny) and 7.2e-7 to 2.8e-6 (270M: the matmuls over
+# several jobs' rows block their sums otherwise). The equations are the same; the stacked
+# q/k/v and gate/up matmuls sum in another blocking. A wrong weight, offset, position or
+# job boundary moves logits by O(1) of their scale.
 GRAPH_BOUND = 5e-6
 
 
@@ -53,3 +56,41 @@ def test_the_compiled_graphs_equal_the_module_forward_on_gemma3_270m(gemma):
 def test_the_cpu_runs_the_module_forward(tiny):
     cache = tiny.model.make_cache(mx.float32, capacity=8)
     assert not gemma3.graph_applies(tiny.model, cache)
+
+
+def _packed_logits(model, forward, jobs, chunk) -> list[np.ndarray]:
+    """Each job's final logits, its chunks run packed with the other jobs' through
+    `forward.packed`, job by job in turn while a job has chunks left."""
+    caches = [model.make_cache(mx.float32, capacity=len(ids)) for ids in jobs]
+    hidden = [None] * len(jobs)
+    for start in range(0, max(map(len, jobs)), chunk):
+        live = [i for i, ids in enumerate(jobs) if start < len(ids)]
+        inputs = [mx.array(jobs[i][start : start + chunk], dtype=mx.int32) for i in live]
+        outs = forward.packed(model, inputs, [caches[i] for i in live])
+        mx.eval(outs, *(caches[i].arrays() for i in live))
+        for i, x, out in zip(live, inputs, outs, strict=True):
+            caches[i].commit(x.shape[0])
+            hidden[i] = out
+    return [np.array(model.logits(h)[0]) for h in hidden]
+
+
+@pytest.mark.parametrize("chunk", [5, 37])  # inside and past the 16-token window
+def test_packed_compiled_graphs_equal_each_job_alone_on_the_tiny_model(tiny, chunk):
+    model, rng = tiny.model, np.random.default_rng(chunk)
+    # mixed lengths: jobs drop out of later steps, the others' positions run on
+    jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in (90, 3, 41, 17)]
+    packed = _packed_logits(model, GraphForward(_mlx_attend), jobs, chunk)
+    for ids, out in zip(jobs, packed, strict=True):
+        ref = _logits(model, ids, chunk)
+        assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+        assert int(out.argmax()) == int(ref.argmax())
+
+
+def test_packed_compiled_graphs_equal_each_job_alone_on_gemma3_270m(gemma):
+    rng = np.random.default_rng(2)
+    jobs = [[2, *[int(t) for t in rng.integers(3, 100_000, n - 1)]] for n in (700, 45, 300)]
+    packed = _packed_logits(gemma.model, GraphForward(_mlx_attend), jobs, 300)
+    for ids, out in zip(jobs, packed, strict=True):
+        ref = _logits(gemma.model, ids, 300)
+        assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+        assert int(out.argmax()) == int(ref.argmax())

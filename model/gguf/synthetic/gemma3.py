@@ -29,19 +29,23 @@ _TEXT = (
 )
 
 
-def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
-    """(tokens, scores, token types) of the tiny SentencePiece vocabulary."""
+def _spm_vocab(vocab_size: int | None = None) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of the tiny SentencePiece vocabulary, padded up to
+    `vocab_size` where one is given with pieces text never splits into (``<unused0>``, ...,
+    scored far below the rest)."""
     tokens = _CONTROL + [f"<0x{b:02X}>" for b in range(256)] + _TEXT
     types = [TOKEN_TYPE_CONTROL] * 3 + [TOKEN_TYPE_UNKNOWN]
     types += [TOKEN_TYPE_BYTE] * 256 + [TOKEN_TYPE_NORMAL] * len(_TEXT)
     # longer words score higher so "▁the" wins over its pieces, as in a real SPM vocab
     scores = [0.0] * 260 + [float(len(t)) - i * 1e-3 for i, t in enumerate(_TEXT)]
-    return tokens, scores, types
+    unused = max(0, (vocab_size or 0) - len(tokens))
+    tokens += [f"<unused{i}>" for i in range(unused)]
+    return tokens, scores + [-1e6] * unused, types + [TOKEN_TYPE_NORMAL] * unused
 
 
-def _add_tokenizer(writer: GGUFWriter) -> int:
-    """Write the vocabulary and special ids; returns the vocabulary size."""
-    tokens, scores, types = _spm_vocab()
+def _add_tokenizer(writer: GGUFWriter, vocab_size: int | None = None) -> int:
+    """Write the vocabulary (`_spm_vocab`) and special ids; returns the vocabulary size."""
+    tokens, scores, types = _spm_vocab(vocab_size)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -90,11 +94,13 @@ def write_tiny_gemma3(
     ffn: int = 128,
     sliding_window: int = 16,
     context_length: int = 4096,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random-weight Gemma 3 GGUF (5 local layers then 1 global per 6) to `path`.
 
     Weights are float32 and scaled so activations stay O(1) through the layers; the same
-    arguments give the same bytes.
+    arguments give the same bytes. `vocab_size` pads the tiny vocabulary with unused
+    tokens (a real model's embedding and output head at the tiny one's tokenizer).
     """
     writer = GGUFWriter(str(path), "gemma3")
     writer.add_name(GEMMA3_TINY_NAME)
@@ -109,7 +115,7 @@ def write_tiny_gemma3(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_sliding_window(sliding_window)
-    vocab = _add_tokenizer(writer)
+    vocab = _add_tokenizer(writer, vocab_size)
     init = RandomInit(seed)
     writer.add_tensor("token_embd.weight", init.linear(vocab, hidden) * 0.5)
     _add_layers(
