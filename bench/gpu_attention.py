@@ -14,7 +14,12 @@ from collections.abc import Iterable
 import mlx.core as mx
 
 from model.archs._attention import blocked_attention
-from model.kernels.flash_attention import available, flash_attention, grid_plan
+from model.kernels.flash_attention import (
+    available,
+    flash_attention,
+    grid_plan,
+    packed_flash_attention,
+)
 
 from .common import Recorder, bench_parser, causal_attention_flops, git_commit, log, refuse_existing
 from .gpu_peers import attention_plan, attention_ratios, run_all
@@ -112,6 +117,38 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict]) -> None:
         seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
 
 
+# Packed steps of several jobs' first chunks (`packed_flash_attention`): (H, KVH, lengths,
+# window): one job, jobs shorter than a block, lengths off the block size, a window.
+PACKED_CHECKS = [
+    (4, 1, (300,), None), (4, 1, (1, 17, 64, 65, 300, 511), None),
+    (4, 1, (1000, 33, 700), 512), (8, 2, (129, 2048, 5), 1024),
+]
+
+
+def check_packed(rec: Recorder, warps: int = 4) -> bool:
+    """`packed_flash_attention` against `flash_attention` of each job's rows alone at
+    position 0 (itself checked by `check`), at every case of `PACKED_CHECKS`: max
+    |difference| over max |reference| within `BF16_TOLERANCE`."""
+    ok = True
+    for H, KVH, lengths, window in PACKED_CHECKS:
+        q, k, v = _inputs(H, KVH, sum(lengths), 0, None)
+        scale = 256 ** -0.5
+        ours = packed_flash_attention(q, k, v, scale, lengths, window, warps=warps)
+        alone, start = [], 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            alone.append(flash_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], scale,
+                                         0, window, warps=warps))
+            start += n
+        ref = mx.concatenate(alone, axis=2).astype(mx.float32)
+        diff = float(mx.abs(ours.astype(mx.float32) - ref).max() / mx.abs(ref).max())
+        ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
+        rec("packed_flash_attention_check", diff, "max|diff|/max|ref|",
+            ceiling=BF16_TOLERANCE, heads=H, kv_heads=KVH, lengths=list(lengths),
+            window=window, warps=warps)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("python -m bench.gpu_attention", __doc__, json_lines=False)
     p.add_argument("--check", action="store_true", help="only the exactness check")
@@ -124,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    args.out, tags={"pid": os.getpid(), "process": p.prog})
     # torch's processes first, before this one has used the GPU
     peers = [] if args.check else run_all(rec, attention_plan(MICRO))
-    ok = check(rec) and check(rec, warps=8)
+    ok = check(rec) and check(rec, warps=8) and check_packed(rec) and check_packed(rec, 8)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
         micro(rec, peers)

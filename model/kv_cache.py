@@ -59,14 +59,19 @@ class GlobalKVCache:
             keys, values of shape ``(B, n_kv_heads, position + L, head_dim)`` and the mask
             ``"causal"`` (MLX aligns it to the last key, i.e. query i sits at position + i).
         """
-        L = k.shape[2]
-        end = position + L
+        self.write(k, v, position)
+        end = position + k.shape[2]
+        return self.keys[:, :, :end, :], self.values[:, :, :end, :], "causal"
+
+    def write(self, k: mx.array, v: mx.array, position: int) -> None:
+        """Write a chunk's rows ``(B, n_kv_heads, L, head_dim)`` at `position`, growing the
+        buffers as needed, and read nothing back (`update` without its keys)."""
+        end = position + k.shape[2]
         if end > self.capacity:
             steps = -(-end // CAPACITY_STEP_TOKENS)
             self._grow(steps * CAPACITY_STEP_TOKENS, position)
         self.keys[:, :, position:end, :] = k.astype(self.dtype)
         self.values[:, :, position:end, :] = v.astype(self.dtype)
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :], "causal"
 
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
@@ -128,13 +133,18 @@ class RingKVCache:
         n_prev = min(position, W - 1)
         keys = mx.concatenate([self._k.read(position - n_prev, position), k], axis=2)
         values = mx.concatenate([self._v.read(position - n_prev, position), v], axis=2)
-        self._k.write(k, position)
-        self._v.write(v, position)
+        self.write(k, v, position)
         if L == 1:
             return keys, values, None
         if n_prev + L <= W:
             return keys, values, "causal"
         return keys, values, window_mask(position, L, position - n_prev, n_prev + L, W)
+
+    def write(self, k: mx.array, v: mx.array, position: int) -> None:
+        """Keep a chunk's rows ``(B, n_kv_heads, L, head_dim)`` at `position` (the newest
+        ``window`` of them) and read nothing back (`update` without its keys)."""
+        self._k.write(k.astype(self.dtype), position)
+        self._v.write(v.astype(self.dtype), position)
 
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]

@@ -80,10 +80,15 @@ class GraphForward:
         attend: ``attend(q, keys, values, scale, position, window, mask)`` -> ``(B, heads,
             L, head_dim)``, the layer's attention over what its cache returned (on CUDA,
             `model.kernels.flash_attention`).
+        attend_fresh: ``attend_fresh(q, k, v, scale, lengths, window)`` -> ``(1, heads,
+            sum(lengths), head_dim)``, the attention of several jobs' chunks packed along
+            ``L`` that each start at position 0 and so see their own rows only, in one call
+            (on CUDA, `model.kernels.flash_attention.packed_flash_attention`); None: a
+            packed step attends job by job.
     """
 
-    def __init__(self, attend: Attend):
-        self.attend = attend
+    def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None):
+        self.attend, self.attend_fresh = attend, attend_fresh
         self._pre: dict[tuple[bool, float], Callable] = {}
         self._post: Callable | None = None
         self._weights: dict[int, tuple[mx.array, mx.array]] = {}
@@ -131,8 +136,9 @@ class GraphForward:
                every_position: Sequence[bool] | None = None) -> list[mx.array]:
         """Several jobs' chunks in one forward pass, with the contract of
         `model.archs._packed.PackedModel.packed`: the compiled graphs run over every job's
-        rows at once (packed along ``L``, each row rotated at its own position), the cache
-        update and the attention per job.
+        rows at once (packed along ``L``, each row rotated at its own position); the jobs
+        at position 0 (`attend_fresh`) write their rows to their caches and attend in one
+        call, the others update their caches and attend job by job.
 
         Args:
             inputs: each job's chunk of token ids, int32 ``(L_i,)``, none empty.
@@ -141,10 +147,20 @@ class GraphForward:
         Returns:
             per job, float ``(1, hidden)`` or ``(1, L_i, hidden)`` (`every_position`).
         """
+        every = list(every_position or [False] * len(inputs))
+        # the fresh jobs first, so that their rows are one run [0, fresh rows)
+        order = sorted(range(len(inputs)),
+                       key=lambda i: not (self.attend_fresh and caches[i].position == 0))
+        outs = self._packed([inputs[i] for i in order], [caches[i] for i in order],
+                            [every[i] for i in order], model)
+        return [outs[order.index(i)] for i in range(len(inputs))]
+
+    def _packed(self, inputs: list[mx.array], caches: list, every: list[bool], model
+                ) -> list[mx.array]:
         args = model.args
         lengths = [int(x.shape[0]) for x in inputs]
-        starts = np.cumsum([0, *lengths])
         positions = [cache.position for cache in caches]
+        fresh = (sum(1 for p in positions if p == 0) if self.attend_fresh else 0)
         rows = mx.array(np.concatenate([np.arange(p, p + n, dtype=np.int32)
                                         for p, n in zip(positions, lengths, strict=True)]))
         h = model.embed(mx.concatenate(inputs)[None])
@@ -154,16 +170,33 @@ class GraphForward:
             w_qkv, w_gate_up = self._stacked(layer, block)
             q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                           a.attn_k_norm.weight)
-            outs = []
-            for i, (cache, position) in enumerate(zip(caches, positions, strict=True)):
-                mine = slice(int(starts[i]), int(starts[i + 1]))
-                keys, values, mask = cache[layer].update(k[:, :, mine], v[:, :, mine],
-                                                         position)
-                outs.append(self.attend(q[:, :, mine], keys, values, a.scale, position,
-                                        a.window, mask))
-            h = self._post_of(post, h, mx.concatenate(outs, axis=2), block, w_gate_up)
-        return job_outputs(model.output_norm, h, lengths,
-                           every_position or [False] * len(lengths))
+            out = self._attention(a, [cache[layer] for cache in caches], q, k, v, positions,
+                                  lengths, fresh)
+            h = self._post_of(post, h, out, block, w_gate_up)
+        return job_outputs(model.output_norm, h, lengths, every)
+
+    def _attention(self, attn, layer_caches: list, q: mx.array, k: mx.array, v: mx.array,
+                   positions: list[int], lengths: list[int], fresh: int) -> mx.array:
+        """One layer's attention output ``(1, heads, sum(lengths), head_dim)`` for jobs
+        packed along ``L`` whose first `fresh` start at position 0: those write their rows
+        and attend in one `attend_fresh` call; the rest update their caches and attend one
+        by one."""
+        starts = np.cumsum([0, *lengths]).tolist()
+        outs = []
+        if fresh:
+            for cache, start, n in zip(layer_caches[:fresh], starts, lengths[:fresh],
+                                       strict=False):
+                cache.write(k[:, :, start : start + n], v[:, :, start : start + n], 0)
+            end = starts[fresh]
+            outs.append(self.attend_fresh(q[:, :, :end], k[:, :, :end], v[:, :, :end],
+                                          attn.scale, tuple(lengths[:fresh]), attn.window))
+        for i in range(fresh, len(lengths)):
+            mine = slice(starts[i], starts[i + 1])
+            keys, values, mask = layer_caches[i].update(k[:, :, mine], v[:, :, mine],
+                                                        positions[i])
+            outs.append(self.attend(q[:, :, mine], keys, values, attn.scale, positions[i],
+                                    attn.window, mask))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     @staticmethod
     def _post_of(post: Callable, h: mx.array, out: mx.array, block, w_gate_up: mx.array

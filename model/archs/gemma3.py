@@ -236,7 +236,7 @@ class Model(nn.Module, KVCacheModel, PackedModel):
 
     def _graph_forward(self) -> GraphForward:
         if self._graph is None:
-            self._graph = GraphForward(_fused_attend)
+            self._graph = GraphForward(_fused_attend, fused.packed_flash_attention)
         return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:

@@ -10,7 +10,11 @@
 // PREFILLQ_SPLIT (a split of the keys per grid z, for chunks too short to fill the GPU),
 // out float32 (B, H, splits, L, D), each split's normalized output, and lse float32
 // (B, H, splits, L), its log-sum-exp (natural log; -inf where a row saw no key), which
-// flash_attention.py combines.
+// flash_attention.py combines. Compiled with PREFILLQ_PACKED (never split), q, k and v hold
+// several jobs' chunks one after another along L, each at position 0 attending to its own
+// rows only, and an input blocks int32 (grid x, 3) gives each block its job's first row,
+// the job's rows and the block's index within the job (FlashAttention-2's varlen layout,
+// with the per-block table of its cu_seqlens computed on the host).
 // Template constants: D (head dim), BLOCK_N (keys per step), GROUP (query heads per KV
 // head), PAD (shared-memory row padding, bf16 elements), WARPS (per block, 16 rows each).
 //
@@ -39,19 +43,27 @@ __nv_bfloat16* Vs = Ks + BLOCK_N * ROW;
 
 const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 const int g = lane / 4, t = lane % 4;         // the mma fragment's row group and column pair
-const int m_block = blockIdx.x, h = blockIdx.y;
+const int h = blockIdx.y;
 const int splits = params[5], b = blockIdx.z / splits, split = blockIdx.z % splits;
 const int kvh = h / GROUP;
-const int position = params[0], k_start = params[1], window = params[2];
-const int L = params[3], N = params[4];
+const int window = params[2];
+#ifdef PREFILLQ_PACKED
+// several jobs' chunks packed along L, each at position 0 over its own rows' keys: this
+// block's job starts at row seq_row, has L rows, and the block is its m_block-th
+const int seq_row = blocks[3 * blockIdx.x], L = blocks[3 * blockIdx.x + 1];
+const int m_block = blocks[3 * blockIdx.x + 2];
+const int position = 0, k_start = 0, N = L;
+#else
+const int seq_row = 0, L = params[3], N = params[4], m_block = blockIdx.x;
+const int position = params[0], k_start = params[1];
+#endif
 const float scale_log2 = scale[0] * LOG2E;
-const int H = q_shape[1];
+const int H = q_shape[1], q_rows = q_shape[2];
 
-const __nv_bfloat16* qp = q + b * q_strides[0] + h * q_strides[1];
-const long q_row = q_strides[2];
-const __nv_bfloat16* kp = k + b * k_strides[0] + kvh * k_strides[1];
-const __nv_bfloat16* vp = v + b * v_strides[0] + kvh * v_strides[1];
-const long k_row = k_strides[2], v_row = v_strides[2];
+const long q_row = q_strides[2], k_row = k_strides[2], v_row = v_strides[2];
+const __nv_bfloat16* qp = q + b * q_strides[0] + h * q_strides[1] + seq_row * q_row;
+const __nv_bfloat16* kp = k + b * k_strides[0] + kvh * k_strides[1] + seq_row * k_row;
+const __nv_bfloat16* vp = v + b * v_strides[0] + kvh * v_strides[1] + seq_row * v_row;
 
 // Q tile -> shared (rows past L are zero), 16 bytes a thread per copy
 const int row0 = m_block * BLOCK_M;
@@ -160,7 +172,7 @@ for (int j = 0; j < D_TILES; ++j) {
         make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
 }
 #else
-__nv_bfloat16* op = out + ((size_t)b * H + h) * (size_t)L * D;
+__nv_bfloat16* op = out + (((size_t)b * H + h) * (size_t)q_rows + seq_row) * D;
 #pragma unroll
 for (int j = 0; j < D_TILES; ++j) {
   int c = j * 8 + t * 2;

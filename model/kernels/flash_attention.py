@@ -36,7 +36,10 @@ TARGET_BLOCKS = 264
 # ablation).
 MIN_KEY_BLOCKS_PER_SPLIT = 32
 
-_kernels: dict[tuple[int, int, bool, int], object] = {}
+_kernels: dict[tuple[int, int, str, int], object] = {}
+# the kernel's variants: one chunk (its keys split or not), several jobs' chunks packed
+ONE, SPLIT, PACKED = "one", "split", "packed"
+_DEFINES = {ONE: "", SPLIT: "#define PREFILLQ_SPLIT 1\n", PACKED: "#define PREFILLQ_PACKED 1\n"}
 
 
 @cache
@@ -65,16 +68,15 @@ def shared_bytes(head_dim: int, block_n: int, warps: int = DEFAULT_WARPS) -> int
     return (ROWS_PER_WARP * warps + 2 * block_n) * (head_dim + PAD) * 2
 
 
-def _kernel(head_dim: int, block_n: int, split: bool, warps: int):
-    key = (head_dim, block_n, split, warps)
+def _kernel(head_dim: int, block_n: int, variant: str, warps: int):
+    key = (head_dim, block_n, variant, warps)
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(
             name=f"prefillq_flash_attention_d{head_dim}_n{block_n}_w{warps}"
-                 f"{'_split' if split else ''}",
-            input_names=["q", "k", "v", "params", "scale"],
-            output_names=["out", "lse"] if split else ["out"],
-            source=SOURCE, header=("#define PREFILLQ_SPLIT 1\n" if split else "") + HEADER,
-            ensure_row_contiguous=False,
+                 f"{'' if variant == ONE else '_' + variant}",
+            input_names=["q", "k", "v", "params", "scale", *(["blocks"] * (variant == PACKED))],
+            output_names=["out", "lse"] if variant == SPLIT else ["out"],
+            source=SOURCE, header=_DEFINES[variant] + HEADER, ensure_row_contiguous=False,
             shared_memory=shared_bytes(head_dim, block_n, warps))
     return _kernels[key]
 
@@ -144,14 +146,68 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     threads = 32 * warps
     grid = (q_blocks * threads, H, B * splits)
     if splits == 1:
-        (out,) = _kernel(D, block_n, False, warps)(
+        (out,) = _kernel(D, block_n, ONE, warps)(
             inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=[(B, H, L, D)], output_dtypes=[q.dtype])
         return out
-    parts, lse = _kernel(D, block_n, True, warps)(
+    parts, lse = _kernel(D, block_n, SPLIT, warps)(
         inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, splits, L, D), (B, H, splits, L)],
         output_dtypes=[mx.float32, mx.float32])
     # each split's output weighted by its share of the softmax's denominator
     weights = mx.softmax(lse, axis=2)[..., None]
     return (weights * parts).sum(axis=2).astype(q.dtype)
+
+
+@lru_cache(maxsize=64)
+def query_blocks(lengths: tuple[int, ...], rows: int) -> mx.array:
+    """The table `packed_flash_attention` launches a block per row of: int32 ``(blocks,
+    3)``, each job's first row, its rows and the block's index within the job, for jobs of
+    `lengths` rows one after another and `rows` queries a block (a step's layers share
+    it)."""
+    table, start = [], 0
+    for n in lengths:
+        table += [(start, n, m) for m in range(-(-n // rows))]
+        start += n
+    return mx.array(table, dtype=mx.int32)
+
+
+def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                           lengths: tuple[int, ...], window: int | None,
+                           block_n: int = DEFAULT_BLOCK_N, warps: int = DEFAULT_WARPS
+                           ) -> mx.array:
+    """`flash_attention` of several jobs' chunks in one launch, each chunk at position 0
+    attending causally to its own rows only (a job's first chunk: FlashAttention-2's
+    variable-length layout, Dao 2023, with the per-block table on the host).
+
+    Args:
+        q: bf16 ``(1, H, T, D)``, the jobs' queries one after another along ``T =
+            sum(lengths)``; D in `HEAD_DIMS`; its last dimension contiguous.
+        keys, values: bf16 ``(1, KVH, T, D)``, the same rows' keys and values; H a multiple
+            of KVH.
+        scale: the score scale.
+        lengths: each job's rows, in order (positive).
+        window: the sliding window, or None (as `flash_attention`).
+    Returns:
+        bf16 ``(1, H, T, D)``: each job's rows as `flash_attention` gives them for that job
+        alone at position 0.
+    Raises:
+        ValueError: inputs `supports` refuses, more than one batch entry, or `lengths` that
+            do not sum to ``T``.
+    """
+    if not supports(q, keys) or q.shape[0] != 1 or sum(lengths) != q.shape[2]:
+        raise ValueError(f"packed_flash_attention takes bf16 (1, H, sum(lengths), D) with D in "
+                         f"{HEAD_DIMS} and whole KV groups; got {q.dtype} q {q.shape}, keys "
+                         f"{keys.dtype} {keys.shape}, lengths summing to {sum(lengths)}")
+    _, H, T, D = q.shape
+    rows = ROWS_PER_WARP * warps
+    blocks = query_blocks(tuple(lengths), rows)
+    threads = 32 * warps
+    (out,) = _kernel(D, block_n, PACKED, warps)(
+        inputs=[q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1), _float32s(scale),
+                blocks],
+        template=[("D", D), ("BLOCK_N", block_n), ("GROUP", H // keys.shape[1]),
+                  ("PAD", PAD), ("WARPS", warps)],
+        grid=(blocks.shape[0] * threads, H, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(1, H, T, D)], output_dtypes=[q.dtype])
+    return out

@@ -55,3 +55,16 @@ def test_the_grid_plan_counts_the_keys_a_block_may_see():
     assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 1)
     # 8 warps: blocks of 128 queries; 128 key blocks allow 4 splits of 32
     assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 4)
+
+
+def test_a_packed_step_launches_a_block_per_64_queries_of_each_job():
+    table = fa.query_blocks((1, 64, 65, 130), 64).tolist()
+    # (first row, rows, block within the job): no block spans two jobs
+    assert table == [[0, 1, 0], [1, 64, 0], [65, 65, 0], [65, 65, 1],
+                     [130, 130, 0], [130, 130, 1], [130, 130, 2]]
+
+
+def test_packed_attention_refuses_lengths_that_miss_the_rows():
+    q = mx.zeros((1, 4, 10, 256), dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match="lengths summing to 9"):
+        fa.packed_flash_attention(q, q[:, :1], q[:, :1], 0.1, (4, 5), None)

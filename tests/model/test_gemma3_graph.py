@@ -11,10 +11,11 @@ import pytest
 
 from model.archs import gemma3
 from model.archs._gemma3_graph import GraphForward
+from model.cache import window_mask
 
 # float32 on the CPU, x max |logit|: compiled vs module forward measure 5.3e-7 to 1.0e-6
 # on the tiny model and 0.0 on Gemma 3 270M; packed steps of the compiled graphs against
-# each job alone, 4.2e-7 to 7.3e-7 (tiny) and 7.2e-7 to 2.8e-6 (270M: the matmuls over
+# each job alone, 3.7e-7 to 8.0e-7 (tiny) and 7.2e-7 to 2.8e-6 (270M: the matmuls over
 # several jobs' rows block their sums otherwise). The equations are the same; the stacked
 # q/k/v and gate/up matmuls sum in another blocking. A wrong weight, offset, position or
 # job boundary moves logits by O(1) of their scale.
@@ -23,6 +24,18 @@ GRAPH_BOUND = 5e-6
 
 def _mlx_attend(q, keys, values, scale, position, window, mask):
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _mlx_attend_fresh(q, k, v, scale, lengths, window):
+    """`GraphForward`'s ``attend_fresh`` from MLX's attention, job by job."""
+    outs, start = [], 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[:, :, rows], k[:, :, rows], v[:, :, rows], scale=scale,
+            mask=window_mask(0, n, 0, n, window)))
+        start += n
+    return mx.concatenate(outs, axis=2)
 
 
 def _logits(model, ids, chunk, forward=None) -> np.ndarray:
@@ -58,28 +71,36 @@ def test_the_cpu_runs_the_module_forward(tiny):
     assert not gemma3.graph_applies(tiny.model, cache)
 
 
-def _packed_logits(model, forward, jobs, chunk) -> list[np.ndarray]:
+def _packed_logits(model, forward, jobs, chunk, joins=None) -> list[np.ndarray]:
     """Each job's final logits, its chunks run packed with the other jobs' through
-    `forward.packed`, job by job in turn while a job has chunks left."""
+    `forward.packed`, one step a chunk of every job with chunks left; job i of `joins`
+    (job -> step) runs its first chunk at that step."""
+    joins = joins or {}
     caches = [model.make_cache(mx.float32, capacity=len(ids)) for ids in jobs]
-    hidden = [None] * len(jobs)
-    for start in range(0, max(map(len, jobs)), chunk):
-        live = [i for i, ids in enumerate(jobs) if start < len(ids)]
-        inputs = [mx.array(jobs[i][start : start + chunk], dtype=mx.int32) for i in live]
+    hidden, done = [None] * len(jobs), [0] * len(jobs)
+    step = 0
+    while any(d < len(ids) for d, ids in zip(done, jobs, strict=True)):
+        live = [i for i, ids in enumerate(jobs) if done[i] < len(ids) and joins.get(i, 0) <= step]
+        inputs = [mx.array(jobs[i][done[i] : done[i] + chunk], dtype=mx.int32) for i in live]
         outs = forward.packed(model, inputs, [caches[i] for i in live])
         mx.eval(outs, *(caches[i].arrays() for i in live))
         for i, x, out in zip(live, inputs, outs, strict=True):
             caches[i].commit(x.shape[0])
+            done[i] += x.shape[0]
             hidden[i] = out
+        step += 1
     return [np.array(model.logits(h)[0]) for h in hidden]
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["job-by-job", "fresh-in-one-call"])
 @pytest.mark.parametrize("chunk", [5, 37])  # inside and past the 16-token window
-def test_packed_compiled_graphs_equal_each_job_alone_on_the_tiny_model(tiny, chunk):
+def test_packed_compiled_graphs_equal_each_job_alone_on_the_tiny_model(tiny, chunk, fresh):
     model, rng = tiny.model, np.random.default_rng(chunk)
-    # mixed lengths: jobs drop out of later steps, the others' positions run on
+    # mixed lengths: jobs drop out of later steps, the others' positions run on; the
+    # fourth joins later, at position 0 beside jobs past it
     jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in (90, 3, 41, 17)]
-    packed = _packed_logits(model, GraphForward(_mlx_attend), jobs, chunk)
+    forward = GraphForward(_mlx_attend, _mlx_attend_fresh if fresh else None)
+    packed = _packed_logits(model, forward, jobs, chunk, joins={3: 1})
     for ids, out in zip(jobs, packed, strict=True):
         ref = _logits(model, ids, chunk)
         assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
@@ -89,7 +110,8 @@ def test_packed_compiled_graphs_equal_each_job_alone_on_the_tiny_model(tiny, chu
 def test_packed_compiled_graphs_equal_each_job_alone_on_gemma3_270m(gemma):
     rng = np.random.default_rng(2)
     jobs = [[2, *[int(t) for t in rng.integers(3, 100_000, n - 1)]] for n in (700, 45, 300)]
-    packed = _packed_logits(gemma.model, GraphForward(_mlx_attend), jobs, 300)
+    packed = _packed_logits(gemma.model, GraphForward(_mlx_attend, _mlx_attend_fresh), jobs,
+                            300, joins={1: 1})
     for ids, out in zip(jobs, packed, strict=True):
         ref = _logits(gemma.model, ids, 300)
         assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
