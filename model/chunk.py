@@ -47,7 +47,8 @@ class PackingModel(PrefillModel, Protocol):
     def packs(self, caches: list[ModelCache]) -> bool: ...
 
     def packed(self, inputs: list[mx.array], caches: list[ModelCache],
-               every_position: Sequence[bool] | None = ...) -> list[mx.array]: ...
+               every_position: Sequence[bool] | None = ...,
+               writes: Sequence[bool] | None = ...) -> list[mx.array]: ...
 
 
 def prefill_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int]) -> mx.array:
@@ -95,8 +96,8 @@ def launch_chunk(model: PrefillModel, cache: ModelCache, token_ids: Sequence[int
 
 def launch_packed(model: PackingModel, caches: Sequence[ModelCache],
                   chunks: Sequence[Sequence[int]],
-                  logprobs: Sequence[PromptLogprobs | None] | None = None
-                  ) -> list[tuple[mx.array, tuple]]:
+                  logprobs: Sequence[PromptLogprobs | None] | None = None,
+                  writes: Sequence[bool] | None = None) -> list[tuple[mx.array, tuple]]:
     """`launch_chunk` for several jobs' chunks in one forward pass (``model.packed``: the
     linear layers over every job's rows at once, attention per job against its own cache);
     each job's `finish_chunk` then waits and commits it.
@@ -107,6 +108,9 @@ def launch_packed(model: PackingModel, caches: Sequence[ModelCache],
         chunks: each job's chunk of token ids (none empty).
         logprobs: each job's prompt log-probabilities or None (the default: None for all):
             the head also runs on every position of that job's chunk.
+        writes: per job, whether its chunk's rows must reach its cache (default: all);
+            False lets the model skip them (a job's last chunk when no one reads its cache
+            again) and keeps that cache's arrays out of the evaluation.
     Returns:
         per job, as `launch_chunk`: float ``(1, hidden)``, its chunk's last hidden state,
         and its lazy ``logprobs.launch`` outputs (empty without logprobs), being evaluated.
@@ -115,6 +119,7 @@ def launch_packed(model: PackingModel, caches: Sequence[ModelCache],
         after poisoning every cache of the pass.
     """
     logprobs = list(logprobs or [None] * len(chunks))
+    writes = list(writes or [True] * len(chunks))
     for cache, ids in zip(caches, chunks, strict=True):
         cache.check_chunk(len(ids))
     starts = [cache.position for cache in caches]
@@ -122,11 +127,11 @@ def launch_packed(model: PackingModel, caches: Sequence[ModelCache],
         for cache, ids in zip(caches, chunks, strict=True):
             cache.begin(len(ids))
         outs = model.packed([mx.array(ids, dtype=mx.int32) for ids in chunks], list(caches),
-                            every_position=[lp is not None for lp in logprobs])
+                            every_position=[lp is not None for lp in logprobs], writes=writes)
         launched = [with_head(model, out, lp, start)
                     for out, lp, start in zip(outs, logprobs, starts, strict=True)]
         mx.async_eval(*(a for hidden, head in launched for a in (hidden, *head)),
-                      *(cache.arrays() for cache in caches))
+                      *(cache.arrays() for cache, w in zip(caches, writes, strict=True) if w))
     except BaseException:
         for cache in caches:
             cache.poison()

@@ -60,6 +60,10 @@ class Prefill:
     # it landed if it was launched behind that one, so a job's chunks never overlap in time
     last_chunk_seconds: float = 0.0
     logprobs: PromptLogprobs | None = None  # prompt log-probabilities, for jobs that ask
+    # False: nothing reads the cache once the prefill is done (no session keeps it), so a
+    # packed step need not write the last chunk's rows (`_writes`): a one-chunk scoring job
+    # then costs no cache writes at all
+    keep_cache: bool = True
     _hidden: mx.array | None = field(default=None, repr=False)
     _logits: mx.array | None = field(default=None, repr=False)  # from the last chunk's pass
     # the chunks in flight, oldest first: (start, end, (hidden, head), build seconds, launch
@@ -117,7 +121,9 @@ class Prefill:
         start, end, (hidden, head), build_seconds, began, logits = launched
         t0 = time.perf_counter()
         final = () if logits is None else (logits,)
-        if self._launched:  # not the cache's arrays: the next chunk's writes rebind them
+        if self._launched or not self._writes(end):
+            # not the cache's arrays: the next chunk's writes rebind them, or no one reads
+            # them again
             eval_or_poison(self.cache, hidden, *head, *final)
             self.cache.commit(end - start)
             self._hidden = hidden
@@ -162,6 +168,11 @@ class Prefill:
             launched = error
         self._launched.append(launched)
 
+    def _writes(self, end: int) -> bool:
+        """Whether the chunk ending at `end` must leave its rows in the cache: every chunk
+        but the last of a prefill whose cache is not kept (`keep_cache`)."""
+        return self.keep_cache or end < self.n_tokens
+
     def _launchable(self, ahead: bool) -> bool:
         """Whether `launch` would launch a chunk now."""
         return len(self._launched) < (2 if ahead else 1) and self._planned < self.n_tokens
@@ -180,7 +191,8 @@ class Prefill:
         more are ready and can share one: the same model, which packs their caches
         (``model.packs``), and no poisoned cache; else one by one. A job with prompt
         logprobs gets every position of its chunk from the pass; the jobs whose last chunk
-        it is get their final logits from one pass of the output head. Each one's `step`
+        it is get their final logits from one pass of the output head; the last chunk of a
+        job whose cache is not kept (`keep_cache`) need not write its rows. Each one's `step`
         waits for its chunk and commits it; an error building the packed pass is raised by
         every one's `step`.
         """
@@ -201,7 +213,9 @@ class Prefill:
                     stack.enter_context(p.cache.ahead(p.cache.in_flight))
                 chunks = [p.token_ids[s:e] for p, (s, e) in zip(ready, spans, strict=True)]
                 launched = launch_packed(model, [p.cache for p in ready], chunks,
-                                         [p.logprobs for p in ready])
+                                         [p.logprobs for p in ready],
+                                         [p._writes(e) for p, (_, e) in zip(ready, spans,
+                                                                            strict=True)])
             last = [i for i, (p, (_, end)) in enumerate(zip(ready, spans, strict=True))
                     if end == p.n_tokens]
             final = final_logits(model, [launched[i][0] for i in last])
@@ -333,6 +347,7 @@ def start_prefill(
     kv_dtype: mx.Dtype = mx.float32,
     plan: ChunkPlan | None = None,
     prompt_logprobs: int | None = None,
+    keep_cache: bool = True,
 ) -> Prefill:
     """Plan the chunks of a cold prefill of `token_ids` and allocate its cache.
 
@@ -348,6 +363,9 @@ def start_prefill(
             It must start at 0 and end at ``len(token_ids)``.
         prompt_logprobs: K, to keep every position's logprob and top K
             (`model.logprobs.PromptLogprobs`, as ``Prefill.logprobs``); None: off.
+        keep_cache: False when nothing will read the cache once the prefill is done (a job
+            no session keeps): its last chunk then need not write its rows
+            (``Prefill.keep_cache``).
     Raises:
         ValueError: no ids, an id outside the vocabulary, more ids than `context_length`,
             or a `plan` for another prompt length or start.
@@ -364,7 +382,8 @@ def start_prefill(
         from .logprobs import PromptLogprobs  # it imports this module
 
         logprobs = PromptLogprobs(ids, prompt_logprobs, vocab_size)
-    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs)
+    return Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs,
+                   keep_cache=keep_cache)
 
 
 def resume_prefill(

@@ -165,11 +165,13 @@ class LoadedModel:
 
     def start_prefill(self, token_ids: Sequence[int], chunk_tokens: int | None = None,
                       plan: ChunkPlan | None = None,
-                      prompt_logprobs: int | None = None) -> Prefill:
+                      prompt_logprobs: int | None = None, keep_cache: bool = True
+                      ) -> Prefill:
         """Plan (or take `plan`) and allocate a cold prefill of `token_ids` on this model's
         serving limits and dtype (see `model.prefill.start_prefill`)."""
         return start_prefill(self.model, token_ids, chunk_tokens=chunk_tokens, plan=plan,
-                             prompt_logprobs=prompt_logprobs, **self._limits())
+                             prompt_logprobs=prompt_logprobs, keep_cache=keep_cache,
+                             **self._limits())
 
     def resume_prefill(self, token_ids: Sequence[int], plan: ChunkPlan,
                        state: CacheState) -> Prefill:

@@ -96,8 +96,10 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         if resumed is not None:
             return Prepared(resumed[0], checkpoints=resumed[1])
     try:
+        # no session keeps the cache: the last chunk need not write its rows
         return Prepared(loaded.start_prefill(ids, plan=plan,
-                                             prompt_logprobs=record.prompt_logprobs))
+                                             prompt_logprobs=record.prompt_logprobs,
+                                             keep_cache=False))
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))

@@ -133,30 +133,34 @@ class GraphForward:
         return model.output_norm(h if every_position else h[:, -1, :])
 
     def packed(self, model, inputs: list[mx.array], caches: list,
-               every_position: Sequence[bool] | None = None) -> list[mx.array]:
+               every_position: Sequence[bool] | None = None,
+               writes: Sequence[bool] | None = None) -> list[mx.array]:
         """Several jobs' chunks in one forward pass, with the contract of
         `model.archs._packed.PackedModel.packed`: the compiled graphs run over every job's
         rows at once (packed along ``L``, each row rotated at its own position); the jobs
-        at position 0 (`attend_fresh`) write their rows to their caches and attend in one
-        call, the others update their caches and attend job by job.
+        at position 0 (`attend_fresh`) attend in one call and write their rows to their
+        caches where `writes` says so, the others update their caches and attend job by job.
 
         Args:
             inputs: each job's chunk of token ids, int32 ``(L_i,)``, none empty.
             caches: each job's cache (rows ``[position, position + L_i)`` are written).
             every_position: per job, whether it gets every position's hidden state.
+            writes: per job, whether its rows must reach its cache (default: all); a job at
+                position 0 that need not keep them writes none.
         Returns:
             per job, float ``(1, hidden)`` or ``(1, L_i, hidden)`` (`every_position`).
         """
         every = list(every_position or [False] * len(inputs))
+        writes = list(writes or [True] * len(inputs))
         # the fresh jobs first, so that their rows are one run [0, fresh rows)
         order = sorted(range(len(inputs)),
                        key=lambda i: not (self.attend_fresh and caches[i].position == 0))
         outs = self._packed([inputs[i] for i in order], [caches[i] for i in order],
-                            [every[i] for i in order], model)
+                            [every[i] for i in order], [writes[i] for i in order], model)
         return [outs[order.index(i)] for i in range(len(inputs))]
 
-    def _packed(self, inputs: list[mx.array], caches: list, every: list[bool], model
-                ) -> list[mx.array]:
+    def _packed(self, inputs: list[mx.array], caches: list, every: list[bool],
+                writes: list[bool], model) -> list[mx.array]:
         args = model.args
         lengths = [int(x.shape[0]) for x in inputs]
         positions = [cache.position for cache in caches]
@@ -171,22 +175,24 @@ class GraphForward:
             q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                           a.attn_k_norm.weight)
             out = self._attention(a, [cache[layer] for cache in caches], q, k, v, positions,
-                                  lengths, fresh)
+                                  lengths, fresh, writes)
             h = self._post_of(post, h, out, block, w_gate_up)
         return job_outputs(model.output_norm, h, lengths, every)
 
     def _attention(self, attn, layer_caches: list, q: mx.array, k: mx.array, v: mx.array,
-                   positions: list[int], lengths: list[int], fresh: int) -> mx.array:
+                   positions: list[int], lengths: list[int], fresh: int, writes: list[bool]
+                   ) -> mx.array:
         """One layer's attention output ``(1, heads, sum(lengths), head_dim)`` for jobs
-        packed along ``L`` whose first `fresh` start at position 0: those write their rows
-        and attend in one `attend_fresh` call; the rest update their caches and attend one
-        by one."""
+        packed along ``L`` whose first `fresh` start at position 0: those attend in one
+        `attend_fresh` call and write their rows where `writes` says so; the rest update
+        their caches and attend one by one."""
         starts = np.cumsum([0, *lengths]).tolist()
         outs = []
         if fresh:
-            for cache, start, n in zip(layer_caches[:fresh], starts, lengths[:fresh],
-                                       strict=False):
-                cache.write(k[:, :, start : start + n], v[:, :, start : start + n], 0)
+            for cache, start, n, write in zip(layer_caches[:fresh], starts, lengths[:fresh],
+                                              writes, strict=False):
+                if write:
+                    cache.write(k[:, :, start : start + n], v[:, :, start : start + n], 0)
             end = starts[fresh]
             outs.append(self.attend_fresh(q[:, :, :end], k[:, :, :end], v[:, :, :end],
                                           attn.scale, tuple(lengths[:fresh]), attn.window))

@@ -58,7 +58,8 @@ class PackedModel:
         return True
 
     def packed(self, inputs: list[mx.array], caches: list[ModelCache],
-               every_position: Sequence[bool] | None = None) -> list[mx.array]:
+               every_position: Sequence[bool] | None = None,
+               writes: Sequence[bool] | None = None) -> list[mx.array]:
         """One forward pass over several jobs' chunks, each at its own ``cache.position``,
         without committing them: the embedding, norms, projections and MLP run over every
         job's rows at once (packed along ``L``), attention per job against its own cache.
@@ -68,6 +69,8 @@ class PackedModel:
             caches: each job's cache (rows ``[position, position + L_i)`` are written).
             every_position: per job, whether it gets every position's hidden state (prompt
                 log-probabilities); None: none does.
+            writes: per job, whether its rows must reach its cache; this forward writes
+                every job's rows whatever it says (a model may skip those it need not).
         Returns:
             per job, float ``(1, hidden)``: the final-normed hidden state of its chunk's last
             position, or ``(1, L_i, hidden)`` of every position where `every_position` says

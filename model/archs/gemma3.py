@@ -227,11 +227,12 @@ class Model(nn.Module, KVCacheModel, PackedModel):
         return len({graph_applies(self, cache) for cache in caches}) == 1
 
     def packed(self, inputs: list[mx.array], caches: list[ModelCache],
-               every_position: Sequence[bool] | None = None) -> list[mx.array]:
+               every_position: Sequence[bool] | None = None,
+               writes: Sequence[bool] | None = None) -> list[mx.array]:
         """`model.archs._packed.PackedModel.packed`, through the compiled graphs where they
-        apply (`_gemma3_graph.GraphForward.packed`)."""
+        apply (`_gemma3_graph.GraphForward.packed`, which skips the rows `writes` lets it)."""
         if graph_applies(self, caches[0]):
-            return self._graph_forward().packed(self, inputs, caches, every_position)
+            return self._graph_forward().packed(self, inputs, caches, every_position, writes)
         return PackedModel.packed(self, inputs, caches, every_position)
 
     def _graph_forward(self) -> GraphForward:

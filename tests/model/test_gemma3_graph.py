@@ -116,3 +116,19 @@ def test_packed_compiled_graphs_equal_each_job_alone_on_gemma3_270m(gemma):
         ref = _logits(gemma.model, ids, 300)
         assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
         assert int(out.argmax()) == int(ref.argmax())
+
+
+def test_a_fresh_job_that_keeps_no_cache_writes_no_rows_and_scores_the_same(tiny):
+    model, rng = tiny.model, np.random.default_rng(5)
+    jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in (40, 12, 9)]
+    caches = [model.make_cache(mx.float32, capacity=len(ids)) for ids in jobs]
+    outs = GraphForward(_mlx_attend, _mlx_attend_fresh).packed(
+        model, [mx.array(ids, dtype=mx.int32) for ids in jobs], caches,
+        writes=[True, False, True])
+    mx.eval(outs, *(c.arrays() for c in caches))
+    for ids, out in zip(jobs, outs, strict=True):
+        ref = _logits(model, ids, len(ids))
+        got = np.array(model.logits(out)[0])
+        assert float(np.abs(got - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+    written = [any(bool(mx.any(a != 0)) for a in c.arrays()) for c in caches]
+    assert written == [True, False, True]

@@ -96,9 +96,9 @@ def packed_passes(monkeypatch) -> list[list]:
     """Each packed pass's ``logprobs`` argument (`model.chunk.launch_packed`), in order."""
     calls, launch = [], model.prefill.launch_packed
 
-    def spy(model_, caches, chunks, logprobs=None):
+    def spy(model_, caches, chunks, logprobs=None, writes=None):
         calls.append(list(logprobs))
-        return launch(model_, caches, chunks, logprobs)
+        return launch(model_, caches, chunks, logprobs, writes)
 
     monkeypatch.setattr(model.prefill, "launch_packed", spy)
     return calls
