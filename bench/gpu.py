@@ -21,7 +21,7 @@ from model.archs import gemma3, llama
 from model.gguf.synthetic.llama import Llama3Scaling, llama3_rope_factors
 from model.kernels.flash_attention import ENV as FUSED_ENV
 from model.kernels.flash_attention import available as fused_available
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 from . import gpu_deepseek4, gpu_peers
 from .common import Recorder, bench_parser, git_commit, log, refuse_existing

@@ -17,7 +17,7 @@ import mlx.core as mx
 from model.archs import gemma3
 from model.chunk import finish_chunk, launch_chunk
 from model.kernels import flash_attention as fa
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 from .common import Recorder, bench_parser, interleaved, log, patched, refuse_existing
 from .gpu import gemma3_model

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from model.kernels.flash_attention import available
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 from . import gpu_deepseek4
 from .common import Recorder, log

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from model.prefill import start_prefill
 from model.registry import LoadedModel
+from model.start import start_prefill
 from worker.checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
 from .common import Recorder, bench_parser, git_commit, log, refuse_existing

@@ -26,9 +26,10 @@ from .gguf.store import build_once, cache_dir
 from .gguf.synthetic import TINY_LLAMAS, tiny_deepseek4_path, tiny_gemma3_path, tiny_llama_path
 from .gguf.wheel import gguf_from_wheel
 from .planner import ChunkPlan
-from .prefill import Prefill, resume_prefill, start_prefill
+from .prefill import Prefill
 from .runtime.streams import cpu_streams
 from .session import SessionSlot, session_prefill
+from .start import resume_prefill, start_prefill
 from .tokenizer import Tokenizer
 from .tokenizer.chat import builtin_template
 
@@ -168,7 +169,7 @@ class LoadedModel:
                       prompt_logprobs: int | None = None, keep_cache: bool = True
                       ) -> Prefill:
         """Plan (or take `plan`) and allocate a cold prefill of `token_ids` on this model's
-        serving limits and dtype (see `model.prefill.start_prefill`)."""
+        serving limits and dtype (see `model.start.start_prefill`)."""
         return start_prefill(self.model, token_ids, chunk_tokens=chunk_tokens, plan=plan,
                              prompt_logprobs=prompt_logprobs, keep_cache=keep_cache,
                              **self._limits())
@@ -176,7 +177,7 @@ class LoadedModel:
     def resume_prefill(self, token_ids: Sequence[int], plan: ChunkPlan,
                        state: CacheState) -> Prefill:
         """A prefill of `token_ids` on `plan` continuing from a complete checkpointed `state`
-        at one of the plan's chunk ends (see `model.prefill.resume_prefill`; ValueError)."""
+        at one of the plan's chunk ends (see `model.start.resume_prefill`; ValueError)."""
         return resume_prefill(self.model, token_ids, plan, state, **self._limits())
 
     def session_prefill(

@@ -72,7 +72,7 @@ def test_the_chunked_check_passes_on_a_tiny_bf16_model_of_each_family(family, ca
 def test_mlx_lm_at_the_shapes_computes_prefillqs_function(family):
     pytest.importorskip("mlx_lm")
     from bench import gpu_peer_mlx_lm
-    from model.prefill import start_prefill
+    from model.start import start_prefill
 
     spec = TINY_SPECS[family]
     mx.random.seed(4)

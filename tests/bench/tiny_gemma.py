@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from bench.gpu_peers import shapes_of
 from bench.prefill import HF_NAMES
 from model.archs import gemma3
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 # One global layer in six, a 16-token window that 80-token prompts in 32-token chunks cross,
 # and a hidden size whose square root bf16 holds exactly (mlx-lm rounds it to bf16).

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from model.cache import CachePoisoned, ChunkInFlight
-from model.prefill import start_prefill
 from model.session import session_prefill
+from model.start import start_prefill
 
 IDS = [2, *range(260, 360)]  # 101 ids of the tiny Gemma 3's text tokens
 

@@ -19,7 +19,7 @@ from model.archs.deepseek4 import planning as dp
 from model.chunk import prefill_chunk
 from model.gguf.reader import read_gguf
 from model.gguf.synthetic import tiny_deepseek4_path
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 # Chunked vs one pass, and MLX vs the float64 reference: max |diff| <= 1e-3 x max |logit|.
 EXACT_RTOL = 1e-3
@@ -136,7 +136,7 @@ def test_chunk_size_one(model):
 
 
 def test_prefill_loop_unchanged(model, ids, one_pass):
-    """`model.prefill.start_prefill` drives the DeepSeek-V4 cache like any other."""
+    """`model.start.start_prefill` drives the DeepSeek-V4 cache like any other."""
     prefill = start_prefill(
         model,
         ids,

@@ -17,7 +17,7 @@ from model.cache import CachePoisoned
 from model.cache_plan import LayerSpec, plan_cache
 from model.kv_cache import GlobalKVCache
 from model.planner import DEFAULT_CHUNK_TOKENS
-from model.prefill import start_prefill
+from model.start import start_prefill
 
 # Agreement with llama.cpp's logits for the same ids (tests/data/gemma3-270m-llamacpp.json).
 LLAMA_MIN_TOP5_OVERLAP = 4

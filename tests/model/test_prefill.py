@@ -71,7 +71,7 @@ def test_run_on_deepseek4_equals_stepping():
     from model.archs import deepseek4 as ds
     from model.gguf.reader import read_gguf
     from model.gguf.synthetic import tiny_deepseek4_path
-    from model.prefill import start_prefill
+    from model.start import start_prefill
 
     model = ds.load(read_gguf(tiny_deepseek4_path()[0]), mx.float32)
     ids = [int(t) for t in np.random.default_rng(4).integers(0, model.args.vocab_size, 300)]
@@ -100,7 +100,7 @@ class FailsAtCall:
 
 
 def test_a_chunk_failing_mid_run_poisons_the_cache(tiny):
-    from model.prefill import start_prefill
+    from model.start import start_prefill
 
     model = FailsAtCall(tiny.model, 3)
     prefill = start_prefill(model, IDS, vocab_size=tiny.vocab_size,
