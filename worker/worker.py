@@ -43,6 +43,8 @@ log = logging.getLogger("prefillq.worker")
 __all__ = ["DEFAULT_MAX_ACTIVE", "ActiveJob", "PrefillWorker", "current_worker"]
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+# seconds `PrefillWorker.unsubscribe` waits for RQ's pubsub thread, once told to end
+PUBSUB_STOP_S = 5.0
 
 
 class NoDeathPenalty(BaseDeathPenalty):
@@ -351,6 +353,28 @@ class PrefillWorker(SimpleWorker):
             if not refused_write(error) and gave_up(self.connection) is None:
                 raise
             log.warning("could not record %s's death in RQ: %s", self.name, error)
+
+    def unsubscribe(self) -> None:
+        """RQ's end of its pubsub thread (the channel RQ's commands arrive on), in an order
+        that cannot hang: the thread's run flag cleared, then UNSUBSCRIBE, whose reply ends
+        the thread's read, then the thread waited for at most `PUBSUB_STOP_S`.
+
+        RQ 3.0 unsubscribes first and then calls the thread's ``stop()``, which since
+        redis-py 8.2 waits for the thread; the thread, no longer subscribed, waits in
+        ``get_message`` for RQ's 60 s ``sleep_time``, so a SIGTERM'd worker took a minute to
+        exit about half the time (found by `tests/bench/test_serve.py`, which stops workers
+        right after their jobs)."""
+        thread = self.pubsub_thread
+        if not thread:
+            return
+        log.info("%s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        try:
+            thread.stop(timeout=0)  # redis-py >= 8.2: clears the run flag, waits 0 s
+        except TypeError:
+            thread.stop()  # older redis-py: stop() only clears the flag
+        self.pubsub.unsubscribe()
+        thread.join(timeout=PUBSUB_STOP_S)
+        self.pubsub.close()
 
     def work(self, *args, **kwargs) -> bool:
         """RQ's work loop (see `rq.worker.BaseWorker.work`).
