@@ -91,6 +91,43 @@ class RingBuffer:
             self.data[self._at(0, keep - first)] = rows[self._at(first, keep)]
 
 
+class RowLog:
+    """Every row written to a sequence, by position: pieces of arrays along ``axis`` (each
+    the arrays a write gave, kept by reference), disjoint and in order. A write at position
+    p supersedes the rows logged at or past p (a chunk run again after an abandon)."""
+
+    def __init__(self, axis: int = 0):
+        self.axis = axis
+        self.pieces: list[tuple[int, tuple[mx.array, ...]]] = []
+
+    def _length(self, arrays: tuple[mx.array, ...]) -> int:
+        return arrays[0].shape[self.axis]
+
+    def _cut(self, arrays: tuple[mx.array, ...], a: int, b: int) -> tuple[mx.array, ...]:
+        at = (slice(None),) * self.axis + (slice(a, b),)
+        return tuple(x[at] for x in arrays)
+
+    def write(self, position: int, *arrays: mx.array) -> None:
+        """Log `arrays` (equal lengths along ``axis``) as positions ``[position, position +
+        len)``."""
+        kept = [(s, self._cut(xs, 0, min(self._length(xs), position - s)))
+                for s, xs in self.pieces if s < position]
+        self.pieces = [*kept, (position, arrays)]
+
+    def rows(self, start: int, end: int) -> tuple[mx.array, ...]:
+        """The logged rows of positions ``[start, end)``, one array per array written.
+
+        Raises:
+            ValueError: some of those positions were never written.
+        """
+        parts = [self._cut(xs, max(s, start) - s, min(s + self._length(xs), end) - s)
+                 for s, xs in self.pieces if s < end and s + self._length(xs) > start]
+        if sum(self._length(p) for p in parts) != end - start:
+            raise ValueError(f"rows [{start}, {end}) were not all written")
+        columns = zip(*parts, strict=True)  # keys' parts, values' parts, ...
+        return tuple(mx.concatenate(list(column), axis=self.axis) for column in columns)
+
+
 class CommittedCache:
     """Bookkeeping every architecture's cache shares: commit after success, poison, reset,
     and the exact byte state.

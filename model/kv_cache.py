@@ -16,6 +16,7 @@ from .cache import (
     CommittedCache,
     ContextExhausted,
     RingBuffer,
+    RowLog,
     check_layout,
     kv_dtype_of,
     window_mask,
@@ -92,6 +93,12 @@ class GlobalKVCache:
     def reset(self) -> None:
         pass  # rows past position 0 are dead; nothing to clear
 
+    def rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``[start, end)``, ``(1, n_kv_heads, end - start,
+        head_dim)`` each (views of the buffers; the caller checks the positions are
+        committed)."""
+        return self.keys[:, :, start:end, :], self.values[:, :, start:end, :]
+
 
 class RingKVCache:
     """The last ``window`` K/V rows of a sliding-window layer, row ``p`` at slot ``p % window``.
@@ -107,6 +114,7 @@ class RingKVCache:
         shape = (1, spec.n_kv_heads, spec.window, spec.head_dim)
         self._k = RingBuffer(mx.zeros(shape, dtype), axis=2)
         self._v = RingBuffer(mx.zeros(shape, dtype), axis=2)
+        self.log: RowLog | None = None  # every row written since `ModelCache.keep_rows`
 
     @property
     def keys(self) -> mx.array:
@@ -143,8 +151,24 @@ class RingKVCache:
     def write(self, k: mx.array, v: mx.array, position: int) -> None:
         """Keep a chunk's rows ``(B, n_kv_heads, L, head_dim)`` at `position` (the newest
         ``window`` of them) and read nothing back (`update` without its keys)."""
-        self._k.write(k.astype(self.dtype), position)
-        self._v.write(v.astype(self.dtype), position)
+        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        self._k.write(k, position)
+        self._v.write(v, position)
+        if self.log is not None:
+            self.log.write(position, k, v)
+
+    def rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``[start, end)``, ``(1, n_kv_heads, end - start,
+        head_dim)`` each, from the rows kept since `ModelCache.keep_rows`.
+
+        Raises:
+            ValueError: rows were not kept then (the ring holds only the window's).
+        """
+        if self.log is None:
+            raise ValueError(f"rows [{start}, {end}) of a sliding layer were not kept "
+                             "(ModelCache.keep_rows)")
+        keys, values = self.log.rows(start, end)  # RowLog raises if some were never written
+        return keys, values
 
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
@@ -246,6 +270,28 @@ class ModelCache(CommittedCache):
             "kv_dtype": dtype_name(self.kv_dtype),
             "layers": [[s.n_kv_heads, s.head_dim, s.window] for s in self.specs],
         }
+
+    def keep_rows(self) -> None:
+        """From now on keep every row the sliding layers write, not only their window's, so
+        that `rows` can return any committed position's (a prefix cache's capture,
+        `model.prefix_cache`). Costs what the global layers cost: each sliding layer's keys
+        and values for every token written, until the cache is dropped."""
+        for layer in self.layers:
+            if isinstance(layer, RingKVCache) and layer.log is None:
+                layer.log = RowLog(axis=2)
+
+    def rows(self, start: int, end: int) -> list[tuple[mx.array, mx.array]]:
+        """Every layer's keys and values of positions ``[start, end)``, ``(1, n_kv_heads,
+        end - start, head_dim)`` each (lazy; views of the buffers or the kept rows).
+
+        Raises:
+            ValueError: the range is empty or past the committed position, or a sliding
+                layer did not keep those rows (`keep_rows` was off when they were written).
+        """
+        if not 0 <= start < end <= self.position:
+            raise ValueError(f"rows [{start}, {end}) are not committed rows of a cache at "
+                             f"{self.position}")
+        return [layer.rows(start, end) for layer in self.layers]
 
     @classmethod
     def from_state(

@@ -1,0 +1,172 @@
+"""A worker's prefix cache: KV rows of prompt prefixes kept across jobs, no session id needed.
+
+Prompts are cut into blocks of `BLOCK_TOKENS` tokens. A block's key hashes its parent's key
+and its token ids, and the first block's parent hashes the model file's sha256, the cache
+layout (architecture, KV dtype, layer shapes) and an optional salt, so a key names one
+prefix of one model's cache, the same in every process and on every machine (SHA-256, no
+per-process seed). A block holds every layer's keys and values of its positions, the sliding
+layers' included (`ModelCache.keep_rows` keeps them while a prompt is prefilled), so a reuse
+may end at any block edge: a cache restored from m blocks holds each sliding layer's window
+before position ``m * BLOCK_TOKENS``. Blocks are evicted least recently used first, within a
+byte budget, a prefix's last blocks before its first (a block is touched after its
+descendants, so the blocks kept always form whole prefixes from the root).
+
+Scope: `model.kv_cache.ModelCache` (Gemma 3, the Llama family); DeepSeek-V4's compressed
+cache is not cut into blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .kv_cache import ModelCache
+
+# Tokens a block: small enough that most evaluation contexts (a few hundred tokens) share
+# whole blocks, large enough that a 2,000-token prompt is 63 keys.
+BLOCK_TOKENS = 32
+KEY_BYTES = 16
+_KEY_VERSION = "prefillq prefix v1"
+
+
+def root_key(model_sha256: str, layout: dict, salt: str | None = None) -> bytes:
+    """The parent of a prompt's first block: SHA-256 over the model file's `model_sha256`
+    (hex), the cache `layout` (``ModelCache.layout()``: architecture, KV dtype, layer
+    shapes) and `salt` (requests that must not share a prefix give different salts),
+    `KEY_BYTES` bytes."""
+    text = json.dumps({"v": _KEY_VERSION, "model": model_sha256, "layout": layout,
+                       "salt": salt}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).digest()[:KEY_BYTES]
+
+
+def block_keys(token_ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS
+               ) -> list[bytes]:
+    """The key of each whole block of `token_ids` (a partial last block has none): block i's
+    is SHA-256 of block i - 1's key (`root` for the first) and its ids as little-endian
+    int32, `KEY_BYTES` bytes.
+
+    Raises:
+        ValueError: `block_tokens` < 1.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be at least 1, not {block_tokens}")
+    ids = np.asarray(token_ids, dtype="<i4")
+    keys, parent = [], root
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        parent = hashlib.sha256(parent + ids[start : start + block_tokens].tobytes()).digest()
+        keys.append(parent[:KEY_BYTES])
+    return keys
+
+
+@dataclass(frozen=True)
+class PrefixBlock:
+    """One block's rows: per layer, keys and values ``(1, n_kv_heads, block_tokens,
+    head_dim)`` (copies, evaluated), and their bytes."""
+
+    rows: tuple[tuple[mx.array, mx.array], ...]
+    nbytes: int
+
+
+class PrefixCache:
+    """Blocks of prompt prefixes by key (`block_keys`), least recently used evicted first
+    once their bytes pass `max_bytes`.
+
+    Args:
+        max_bytes: the blocks' bytes held at most (a block bigger than it is not kept).
+        block_tokens: tokens a block; keys must be made with the same.
+    Raises:
+        ValueError: a negative `max_bytes` or `block_tokens` < 1.
+    """
+
+    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS):
+        if max_bytes < 0 or block_tokens < 1:
+            raise ValueError(f"max_bytes must be >= 0 and block_tokens >= 1, got {max_bytes} "
+                             f"and {block_tokens}")
+        self.max_bytes, self.block_tokens = max_bytes, block_tokens
+        self._blocks: OrderedDict[bytes, PrefixBlock] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def longest(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, are held (a prompt's reusable blocks); those
+        become the most recently used."""
+        n = 0
+        while n < len(keys) and keys[n] in self._blocks:
+            n += 1
+        self._touch(keys[:n])
+        return n
+
+    def insert(self, keys: Sequence[bytes], cache: ModelCache) -> int:
+        """Keep the blocks of `keys` that are not held yet, their rows copied from `cache`
+        (block i: positions ``[i * block_tokens, (i + 1) * block_tokens)``), then evict past
+        `max_bytes`. Returns the blocks added.
+
+        Raises:
+            ValueError: `cache` has not committed those positions, or a sliding layer did
+                not keep their rows (`ModelCache.keep_rows`).
+        """
+        added = []
+        for i, key in enumerate(keys):
+            if key in self._blocks:
+                continue
+            B = self.block_tokens
+            rows = tuple((mx.contiguous(k), mx.contiguous(v))
+                         for k, v in cache.rows(i * B, (i + 1) * B))
+            added.append((key, rows))
+        mx.eval([a for _, rows in added for kv in rows for a in kv])
+        for key, rows in added:
+            block = PrefixBlock(rows, sum(a.nbytes for kv in rows for a in kv))
+            self._blocks[key] = block
+            self.nbytes += block.nbytes
+        self._touch(keys)
+        self._evict()
+        return len(added)
+
+    def restore(self, keys: Sequence[bytes], cache: ModelCache) -> int:
+        """Write the blocks of `keys` (all held: `longest` first) into `cache`, empty, as if
+        their tokens had been prefilled: global layers get every row, sliding layers their
+        window's (and all of them where `cache` keeps rows). Returns the position reached,
+        ``len(keys) * block_tokens``.
+
+        Raises:
+            KeyError: a block is not held. ValueError: `cache` is not empty and settled.
+            ContextExhausted: the blocks pass the cache's context.
+        """
+        blocks = [self._blocks[key] for key in keys]
+        if cache.position or cache.in_flight:
+            raise ValueError(f"restore needs an empty cache; this one is at {cache.position} "
+                             f"with {cache.in_flight} tokens in flight")
+        n = len(blocks) * self.block_tokens
+        if not n:
+            return 0
+        cache.check_chunk(n)
+        cache.begin(n)
+        for i, layer in enumerate(cache.layers):
+            layer.write(mx.concatenate([b.rows[i][0] for b in blocks], axis=2),
+                        mx.concatenate([b.rows[i][1] for b in blocks], axis=2), 0)
+        mx.eval(cache.arrays())
+        cache.commit(n)
+        self._touch(keys)
+        return n
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Make the blocks of `keys` (one prefix's, in order) the most recently used, each
+        block more recent than those after it, so eviction takes a prefix's tail first."""
+        for key in reversed(keys):
+            self._blocks.move_to_end(key)
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self._blocks:
+            _, block = self._blocks.popitem(last=False)
+            self.nbytes -= block.nbytes
