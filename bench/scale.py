@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +89,11 @@ def snapshot(conn: redis.Redis, job_ids: list[str], info_first: bool) -> Snapsho
 class WorkerFleet:
     """`count` ``prefillq worker`` child processes named w1..wN serving `model`, logs in
     `log_dir`; `options` are their further ``prefillq worker`` options (default:
-    ``--chunk-tokens CHUNK_TOKENS``)."""
+    ``--chunk-tokens CHUNK_TOKENS``); `python` is the interpreter command they run under
+    (``[sys.executable, "-m", "cProfile", "-o", FILE]`` profiles one: `bench.serve_profile`)."""
 
     def __init__(self, url: str, count: int, log_dir: Path, model: str = MODEL,
-                 options: list[str] | None = None):
+                 options: list[str] | None = None, python: Sequence[str] | None = None):
         self.url, self.log_dir = url, log_dir
         options = ["--chunk-tokens", str(CHUNK_TOKENS)] if options is None else options
         self.procs: dict[str, subprocess.Popen] = {}
@@ -99,8 +101,8 @@ class WorkerFleet:
             name = f"w{k}"
             with open(log_dir / f"{name}.log", "w") as out:
                 self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "worker", "worker", "--redis", url, "--model", model,
-                     *options, "--name", name],
+                    [*(python or [sys.executable]), "-m", "worker", "worker", "--redis", url,
+                     "--model", model, *options, "--name", name],
                     stdout=out, stderr=subprocess.STDOUT)
 
     def wait_registered(self, conn: redis.Redis) -> None:

@@ -168,10 +168,12 @@ def finish_chunk(cache: ModelCache, hidden: mx.array, n_tokens: int,
 def final_logits(model: PrefillModel, hidden: Sequence[mx.array]) -> list[mx.array]:
     """Each job's final logits from its last hidden state (float ``(1, hidden)`` each), with
     one pass of the output head over them all, started on the device (``mx.async_eval``)
-    without waiting: float ``(vocab,)`` each, lazy."""
+    without waiting: float32 ``(vocab,)`` each, lazy. The float32 cast is part of the pass,
+    so that turning each job's row into NumPy later waits for it and copies, without a
+    kernel and a wait of its own per job."""
     if not hidden:
         return []
-    rows = model.logits(mx.concatenate(list(hidden)))  # (jobs, vocab)
+    rows = model.logits(mx.concatenate(list(hidden))).astype(mx.float32)  # (jobs, vocab)
     mx.async_eval(rows)
     return [rows[i] for i in range(len(hidden))]
 

@@ -283,8 +283,8 @@ class Prefill:
             RuntimeError: the prefill is not done. CachePoisoned: a chunk failed (`reset`).
         """
         self._check_logits()
-        if self._logits is not None:  # computed in the last chunk's pass
-            logits = np.array(self._logits.astype(mx.float32))
+        if self._logits is not None:  # float32, computed in the last chunk's pass
+            logits = np.array(self._logits)
         else:
             logits = np.array(self.model.logits(self._hidden).astype(mx.float32)[0])
         if self.logprobs is not None and self.logprobs.filled < self.n_tokens:

@@ -19,6 +19,23 @@ from ._packed import job_outputs
 
 Attend = Callable[..., mx.array]
 
+# A packed step's rows are rounded up (`padded_rows`) so that steps repeat a few shapes: a
+# compiled graph is traced again, and MLX's CUDA backend builds new CUDA graphs and picks new
+# matmul kernels, for every row count it has not seen, which a worker serving prompts of
+# hundreds of lengths meets at almost every step (docs/benchmarks.md, "Gemma 3 270M's shapes
+# served on the H200"). Powers of two up to ROW_BUCKET, then its multiples: at most 35 shapes
+# up to 8,192 rows, at most ROW_BUCKET - 1 padding rows a step.
+MIN_PADDED_ROWS = 32
+ROW_BUCKET = 256
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a packed step of `rows` real rows runs: the next power of two from
+    `MIN_PADDED_ROWS` up to `ROW_BUCKET`, else the next multiple of `ROW_BUCKET`."""
+    if rows <= ROW_BUCKET:
+        return max(MIN_PADDED_ROWS, 1 << (rows - 1).bit_length())
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+
 
 def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
          kv_heads: int, head_dim: int, base: float):
@@ -140,6 +157,10 @@ class GraphForward:
         rows at once (packed along ``L``, each row rotated at its own position); the jobs
         at position 0 (`attend_fresh`) attend in one call and write their rows to their
         caches where `writes` says so, the others update their caches and attend job by job.
+        With `attend_fresh`, the rows are padded to `padded_rows` by a pseudo-job of token
+        id 0 at position 0 placed after the fresh jobs, which attends to itself in the same
+        call, touches no cache and whose outputs are dropped: the matmuls are row-wise, so
+        padding moves no real row beyond their blocking.
 
         Args:
             inputs: each job's chunk of token ids, int32 ``(L_i,)``, none empty.
@@ -153,18 +174,29 @@ class GraphForward:
         every = list(every_position or [False] * len(inputs))
         writes = list(writes or [True] * len(inputs))
         # the fresh jobs first, so that their rows are one run [0, fresh rows)
-        order = sorted(range(len(inputs)),
-                       key=lambda i: not (self.attend_fresh and caches[i].position == 0))
-        outs = self._packed([inputs[i] for i in order], [caches[i] for i in order],
-                            [every[i] for i in order], [writes[i] for i in order], model)
-        return [outs[order.index(i)] for i in range(len(inputs))]
+        order: list[int | None] = sorted(
+            range(len(inputs)), key=lambda i: not (self.attend_fresh and caches[i].position == 0))
+        inputs, caches = [inputs[i] for i in order], [caches[i] for i in order]
+        every, writes = [every[i] for i in order], [writes[i] for i in order]
+        positions = [cache.position for cache in caches]
+        fresh = sum(1 for p in positions if p == 0) if self.attend_fresh else 0
+        total = sum(int(x.shape[0]) for x in inputs)
+        if self.attend_fresh and padded_rows(total) > total:
+            pad = mx.zeros((padded_rows(total) - total,), dtype=mx.int32)
+            for values, value in ((order, None), (inputs, pad), (caches, None),
+                                  (positions, 0), (every, False), (writes, False)):
+                values.insert(fresh, value)
+            fresh += 1
+        outs = self._packed(inputs, caches, positions, fresh, every, writes, model)
+        by_job = {i: out for i, out in zip(order, outs, strict=True) if i is not None}
+        return [by_job[i] for i in range(len(by_job))]
 
-    def _packed(self, inputs: list[mx.array], caches: list, every: list[bool],
-                writes: list[bool], model) -> list[mx.array]:
+    def _packed(self, inputs: list[mx.array], caches: list, positions: list[int], fresh: int,
+                every: list[bool], writes: list[bool], model) -> list[mx.array]:
+        """`packed` of jobs in order (the first `fresh` attend in one call, a padding
+        pseudo-job among them with cache None)."""
         args = model.args
         lengths = [int(x.shape[0]) for x in inputs]
-        positions = [cache.position for cache in caches]
-        fresh = (sum(1 for p in positions if p == 0) if self.attend_fresh else 0)
         rows = mx.array(np.concatenate([np.arange(p, p + n, dtype=np.int32)
                                         for p, n in zip(positions, lengths, strict=True)]))
         h = model.embed(mx.concatenate(inputs)[None])
@@ -174,8 +206,8 @@ class GraphForward:
             w_qkv, w_gate_up = self._stacked(layer, block)
             q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                           a.attn_k_norm.weight)
-            out = self._attention(a, [cache[layer] for cache in caches], q, k, v, positions,
-                                  lengths, fresh, writes)
+            layer_caches = [None if c is None else c[layer] for c in caches]
+            out = self._attention(a, layer_caches, q, k, v, positions, lengths, fresh, writes)
             h = self._post_of(post, h, out, block, w_gate_up)
         return job_outputs(model.output_norm, h, lengths, every)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.archs import gemma3
-from model.archs._gemma3_graph import GraphForward
+from model.archs._gemma3_graph import GraphForward, padded_rows
 from model.cache import window_mask
 
 # float32 on the CPU, x max |logit|: compiled vs module forward measure 5.3e-7 to 1.0e-6
@@ -132,3 +132,36 @@ def test_a_fresh_job_that_keeps_no_cache_writes_no_rows_and_scores_the_same(tiny
         assert float(np.abs(got - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
     written = [any(bool(mx.any(a != 0)) for a in c.arrays()) for c in caches]
     assert written == [True, False, True]
+
+
+def test_padded_rows_repeat_a_few_shapes():
+    assert [padded_rows(n) for n in (1, 32, 33, 200, 256, 257, 700, 8192)] == [
+        32, 32, 64, 256, 256, 512, 768, 8192]
+    assert len({padded_rows(n) for n in range(1, 8193)}) == 35
+
+
+def test_packed_steps_of_different_rows_run_one_padded_shape_and_score_the_same(tiny):
+    """Steps of 300 and 400 real rows both run 512 (the compiled graphs and the fresh
+    attention see one shape); the padding rows change no job's logits beyond the bound."""
+    model, rng = tiny.model, np.random.default_rng(7)
+    seen = []
+
+    def attend_fresh(q, k, v, scale, lengths, window):
+        seen.append((q.shape[2], lengths))
+        return _mlx_attend_fresh(q, k, v, scale, lengths, window)
+
+    forward = GraphForward(_mlx_attend, attend_fresh)
+    for lengths in ((100, 200), (150, 250)):
+        jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in lengths]
+        caches = [model.make_cache(mx.float32, capacity=n) for n in lengths]
+        outs = forward.packed(model, [mx.array(ids, dtype=mx.int32) for ids in jobs], caches)
+        mx.eval(outs)
+        for ids, out in zip(jobs, outs, strict=True):
+            ref = _logits(model, ids, len(ids))
+            got = np.array(model.logits(out)[0])
+            assert float(np.abs(got - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+            assert int(got.argmax()) == int(ref.argmax())
+        mx.eval(*(c.arrays() for c in caches))
+    assert [rows for rows, _ in seen[:: len(model.blk)]] == [512, 512]
+    assert [lengths for _, lengths in seen[:: len(model.blk)]] == [(100, 200, 212),
+                                                                    (150, 250, 112)]
