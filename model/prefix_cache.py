@@ -26,13 +26,18 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .chunk import PrefillModel
 from .kv_cache import ModelCache
+from .logprobs import PromptLogprobs
+from .planner import check_prompt, plan_chunks
+from .prefill import Prefill
 
 # Tokens a block: small enough that most evaluation contexts (a few hundred tokens) share
 # whole blocks, large enough that a 2,000-token prompt is 63 keys.
 BLOCK_TOKENS = 32
 KEY_BYTES = 16
 _KEY_VERSION = "prefillq prefix v1"
+PREFIX = "prefix"  # ``Prefill.reuse`` of a prefill that started from held blocks
 
 
 def root_key(model_sha256: str, layout: dict, salt: str | None = None) -> bytes:
@@ -170,3 +175,68 @@ class PrefixCache:
         while self.nbytes > self.max_bytes and self._blocks:
             _, block = self._blocks.popitem(last=False)
             self.nbytes -= block.nbytes
+
+
+def token_bytes(cache: ModelCache) -> int:
+    """Bytes one token's keys and values take over every layer of `cache`: what a block
+    costs per token, sliding layers included."""
+    return sum(2 * s.n_kv_heads * s.head_dim for s in cache.specs) * cache.kv_dtype.size
+
+
+def prefix_prefill(
+    model: PrefillModel,
+    token_ids: Sequence[int],
+    prefixes: PrefixCache,
+    model_sha256: str,
+    *,
+    vocab_size: int,
+    context_length: int,
+    chunk_tokens: int | None = None,
+    kv_dtype: mx.Dtype = mx.float32,
+    prompt_logprobs: int | None = None,
+    salt: str | None = None,
+) -> tuple[Prefill, list[bytes]]:
+    """A prefill of `token_ids` that starts from the longest prefix `prefixes` holds, and the
+    keys of the blocks to insert into it once the prefill is done (`PrefixCache.insert`).
+
+    The cursor starts at the end of the held blocks (``cached_tokens``, ``reuse`` `PREFIX`;
+    ``cold`` and 0 when none is held); a prompt held whole still runs its last block, so the
+    final logits come from a forward pass. The rest is planned as a cold prefill's chunks from
+    there (`model.planner.plan_chunks`). A prefill with `prompt_logprobs` reuses nothing
+    (the held blocks keep no logprobs): it runs cold. The prompt's blocks are captured
+    (`ModelCache.keep_rows`, and its last chunk writes its rows) when some are not held yet
+    and all of them fit in the budget; the returned keys are empty otherwise. A model whose
+    cache is not a `ModelCache` (DeepSeek-V4's compressed cache) runs cold, capturing nothing.
+
+    Args:
+        prefixes: the worker's held blocks.
+        model_sha256: the model file's sha256 (hex), part of every key (`root_key`).
+        salt: requests with different salts never share blocks (None: the default).
+        The others: as `model.start.start_prefill`.
+    Returns:
+        the prefill, and the keys of its whole blocks when they are to be inserted.
+    Raises:
+        ValueError: no ids, an id outside the vocabulary, or more ids than
+            `context_length` (`model.planner.check_prompt`).
+    """
+    ids = check_prompt(token_ids, vocab_size, context_length)
+    cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
+    logprobs = None if prompt_logprobs is None else PromptLogprobs(ids, prompt_logprobs,
+                                                                   vocab_size)
+    if not isinstance(cache, ModelCache):  # a compressed cache is not cut into blocks
+        return Prefill(model=model, token_ids=ids, cache=cache, logprobs=logprobs, plan=(
+            plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens))), []
+    B = prefixes.block_tokens
+    keys = block_keys(ids, root_key(model_sha256, cache.layout(), salt), B)
+    held = 0 if logprobs is not None else prefixes.longest(keys[: (len(ids) - 1) // B])
+    capture = (any(key not in prefixes for key in keys[held:])
+               and len(keys) * B * token_bytes(cache) <= prefixes.max_bytes)
+    if capture:
+        cache.keep_rows()
+    position = prefixes.restore(keys[:held], cache)
+    plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens,
+                       cursor=position)
+    prefill = Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs,
+                      cached_tokens=position, reuse=PREFIX if position else "cold",
+                      keep_cache=capture)
+    return prefill, keys if capture else []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,9 @@ class ActiveJob:
     session: str | None = None  # the session whose slot `slot` is (checked out for the job)
     slot: Any = None
     checkpoints: JobCheckpoints | None = None  # None: this job is not checkpointed
+    # the keys of its prompt's blocks, kept in the worker's prefix cache once it finishes
+    # (`worker.prefixes.PrefixBlocks`); empty: none are
+    prefix_keys: list[bytes] = field(default_factory=list)
 
 
 def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:

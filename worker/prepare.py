@@ -12,7 +12,7 @@ when it has one (`worker.checkpoints.checkpointing`), else cold.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.errors import InvalidRequest
@@ -25,6 +25,7 @@ from model.registry import LoadedModel
 from model.tokenizer import TokenizerError
 
 from .checkpoints.checkpointing import Checkpointing, JobCheckpoints
+from .prefixes import PrefixBlocks
 from .sessions import SessionSlots
 
 log = logging.getLogger("prefillq.worker")
@@ -48,20 +49,25 @@ class Prepared:
             without a session, or when this worker keeps no sessions); it goes back with
             `SessionSlots.keep` however the job leaves.
         checkpoints: set when the prefill was restored from a KV checkpoint.
+        prefix_keys: the keys of the prompt's blocks the prefix cache keeps once the job
+            finishes (`worker.prefixes.PrefixBlocks`); empty: none.
     """
 
     prefill: Prefill | None
     error: tuple[str, str] | None = None
     slot: Any = None
     checkpoints: JobCheckpoints | None = None  # a resumed job's checkpoint state
+    prefix_keys: list[bytes] = field(default_factory=list)
 
 
 def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             sessions: SessionSlots | None,
             checkpointing: Checkpointing | None = None,
-            limits: Limits = DEFAULT_LIMITS) -> Prepared:
+            limits: Limits = DEFAULT_LIMITS, prefixes: PrefixBlocks | None = None
+            ) -> Prepared:
     """Check, tokenize and plan `record`'s job and allocate its cache, reuse its session's
-    slot, or restore it from the job's latest usable KV checkpoint.
+    slot, restore it from the job's latest usable KV checkpoint, or, at its first start,
+    start it from the longest prompt prefix `prefixes` holds.
 
     The record is checked as `submit` checks it (`jobs.requests.check_record`, against this
     worker's `limits`) before it is tokenized, so a job a foreign or older client enqueued
@@ -75,6 +81,7 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         sessions: this worker's session slots, or None.
         checkpointing: this worker's checkpoints, or None (a restarted job starts at 0).
         limits: this worker's limits.
+        prefixes: this worker's prefix cache, or None (off).
     """
     try:
         check_record(record, limits)
@@ -86,6 +93,14 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
     cap = min(caps) if caps else None
     if record.session and sessions is not None and sessions.max_slots > 0:
         return _session_prefill(loaded, record, ids, cap, sessions)
+    if prefixes is not None and record.chunk_plan is None:  # a later attempt keeps its plan
+        try:
+            prefill, keys = prefixes.prefill(loaded, ids, chunk_tokens=cap,
+                                             prompt_logprobs=record.prompt_logprobs)
+        except Exception as e:
+            log.exception("job %s: could not start", record.job_id)
+            return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
+        return Prepared(prefill, prefix_keys=keys)
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)

@@ -18,6 +18,8 @@ from .checkpoints.policy import DEFAULT_CHECKPOINT_EVERY
 
 # Default chunks' worth of tokens one step computes at most on a GPU (one on a CPU).
 GPU_STEP_CHUNKS = 4
+# The prefix cache is off unless a worker is given a budget (``--prefix-cache-bytes``).
+DEFAULT_PREFIX_CACHE_BYTES = 0
 
 
 def default_step_tokens() -> int:
@@ -60,6 +62,8 @@ class WorkerSettings:
             this queue's Redis, ``redis://...``, ``file:///dir``).
         checkpoint_every: ``N`` chunks, ``Ns`` seconds or ``none`` (`CheckpointPolicy`).
         checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
+        prefix_cache_bytes: bound on the prefix cache's blocks of KV rows kept across jobs
+            (`worker.prefixes.PrefixBlocks`); 0 turns it off.
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
         limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
@@ -79,5 +83,6 @@ class WorkerSettings:
     checkpoint_store: str | None = None
     checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY
     checkpoint_max_bytes: int | None = None
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     publish_tokenizers: bool = True
     limits: Limits = field(default_factory=Limits)

@@ -75,7 +75,7 @@ class Starts:
                 record, None, Prepared(None, (type(error).__name__, str(error))))
         return _Start(record, loaded, prepare(
             loaded, record, chunk_tokens=self.chunk_tokens, sessions=self.sessions,
-            checkpointing=self.checkpointing, limits=self.limits))
+            checkpointing=self.checkpointing, limits=self.limits, prefixes=self.prefixes))
 
     def _take(self, starting: list[_Start]) -> list[ActiveJob]:
         calls = []
@@ -135,6 +135,7 @@ class Starts:
             session=record.session if prepared.slot is not None else None,
             slot=prepared.slot,
             checkpoints=prepared.checkpoints,
+            prefix_keys=prepared.prefix_keys,
         )
         if self.faults is not None:
             self.faults.install(active)

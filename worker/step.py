@@ -22,6 +22,7 @@ from .connection import refused_write
 from .faults import FaultPlan
 from .hooks import JobHooks
 from .parked import ParkedWrites
+from .prefixes import PrefixBlocks
 from .roundtrip import Probe, Reply, run_scripts
 from .scheduler import Scheduler, Step
 from .sessions import SessionSlots
@@ -49,8 +50,8 @@ class Stepper(Starts):
     its logits (a fenced script each; canceled wins), counts the chunks (`jobs.stats`), and
     reads the other jobs' cancel flags and whether intake holds a job. A launched chunk
     reaches a cache, slot, checkpoint or result only once it evaluated and its job is still
-    resident; a job that leaves first abandons it. KV checkpoints and session slots follow
-    each job through `worker.hooks.JobHooks`.
+    resident; a job that leaves first abandons it. KV checkpoints, session slots and the
+    prefix cache follow each job through `worker.hooks.JobHooks`.
 
     Every transition is fenced on (worker, attempt) (`jobs.scripts`). A write Redis refuses
     (`worker.connection.refused_write`) fails that job with ``RedisOutOfMemory``, or, when
@@ -65,18 +66,21 @@ class Stepper(Starts):
         settings: the worker's settings (its chunk cap, TTLs and limits are used here).
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
+        prefixes: this worker's prefix cache (None: off; `worker.prefixes`).
         faults: the test-only fault plan (`worker.faults`); None in production.
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  scheduler: Scheduler, settings: WorkerSettings, *,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None):
+                 checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None,
+                 prefixes: PrefixBlocks | None = None):
         self.connection, self.name, self.models = connection, name, models
         self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
+        self.prefixes = prefixes
         # what follows each job's life besides its chunks (`JobHooks`), told in this order
         self.hooks: tuple[JobHooks, ...] = tuple(
-            h for h in (checkpointing, sessions) if h is not None)
+            h for h in (checkpointing, sessions, prefixes) if h is not None)
         self.scheduler = scheduler
         self.chunk_tokens, self.limits = settings.chunk_tokens, settings.limits
         self.result_ttl_s, self.logits_ttl_s = settings.result_ttl_s, settings.logits_ttl_s

@@ -15,7 +15,14 @@ import pytest
 from model.cache import RowLog
 from model.planner import plan_chunks
 from model.prefill import Prefill
-from model.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys, root_key
+from model.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    block_keys,
+    prefix_prefill,
+    root_key,
+    token_bytes,
+)
 from model.registry import load_model
 
 # float32 on the CPU, max |diff| / max |logit| of a prefill from restored blocks against a
@@ -193,3 +200,53 @@ def test_a_row_log_keeps_the_last_write_of_each_position():
     assert log.rows(12, 17)[0].tolist() == [12, 13, 14, 100, 101]
     with pytest.raises(ValueError, match="not all written"):
         log.rows(20, 30)
+
+
+def _prefix_prefill(loaded, ids, prefixes, **kwargs):
+    return prefix_prefill(loaded.model, ids, prefixes, loaded.sha256, vocab_size=loaded.vocab_size,
+                          context_length=loaded.context_length, **kwargs)
+
+
+def test_a_prefill_starts_from_the_longest_held_prefix_and_equals_a_cold_one(tiny):
+    rng = np.random.default_rng(11)
+    context = _ids(rng, 100, tiny.vocab_size)  # 3 whole blocks of 32
+    prefixes = PrefixCache(max_bytes=1 << 30)
+    first, keys = _prefix_prefill(tiny, context + [5, 6, 7], prefixes, chunk_tokens=48)
+    assert (first.reuse, first.cached_tokens, len(keys)) == ("cold", 0, 3)
+    first.run()
+    assert prefixes.insert(keys, first.cache) == 3
+    prompt = context[:70] + [int(t) for t in rng.integers(3, tiny.vocab_size, 50)]
+    second, keys = _prefix_prefill(tiny, prompt, prefixes, chunk_tokens=48)
+    assert (second.reuse, second.cached_tokens, second.cursor) == ("prefix", 64, 64)
+    assert second.plan.start == 64 and len(keys) == 3  # its third block is new: captured
+    got, ref = second.run(), tiny.start_prefill(prompt, chunk_tokens=48).run()
+    assert float(np.abs(got - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
+    assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
+    ids = _ids(np.random.default_rng(12), 64, tiny.vocab_size)
+    prefixes = PrefixCache(max_bytes=1 << 30)
+    first, keys = _prefix_prefill(tiny, ids, prefixes)
+    first.run()
+    prefixes.insert(keys, first.cache)
+    again, keys = _prefix_prefill(tiny, ids, prefixes)
+    assert (again.cached_tokens, again.n_tokens - again.cursor, keys) == (32, 32, [])
+    assert not again.keep_cache  # nothing to insert: its last chunk need not write its rows
+    got, ref = again.run(), tiny.start_prefill(ids).run()
+    assert float(np.abs(got - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
+
+
+def test_prompt_logprobs_run_cold_and_salts_or_a_small_budget_share_nothing(tiny):
+    ids = _ids(np.random.default_rng(13), 80, tiny.vocab_size)
+    prefixes = PrefixCache(max_bytes=1 << 30)
+    first, keys = _prefix_prefill(tiny, ids, prefixes)
+    first.run()
+    prefixes.insert(keys, first.cache)
+    logprobs, _ = _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=2)
+    assert (logprobs.reuse, logprobs.cached_tokens) == ("cold", 0)
+    salted, _ = _prefix_prefill(tiny, ids, prefixes, salt="tenant-b")
+    assert salted.cached_tokens == 0
+    one_block = PrefixCache(max_bytes=token_bytes(first.cache) * BLOCK_TOKENS)
+    too_big, keys = _prefix_prefill(tiny, ids, one_block)  # 2 blocks over a 1-block budget
+    assert keys == [] and too_big.cache.layers[0].log is None

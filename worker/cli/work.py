@@ -27,7 +27,8 @@ from .loading import load_models
 # the `WorkerSettings` fields that are ``prefillq worker`` flags of the same dest
 CLI_SETTINGS = ("chunk_tokens", "max_active", "max_batch_jobs", "step_tokens", "kv_budget_bytes",
                 "result_ttl_s", "logits_ttl_s", "heartbeat_ttl_s", "session_slots",
-                "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes")
+                "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes",
+                "prefix_cache_bytes")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -106,6 +107,10 @@ def add_worker(sub) -> None:
                              "used evicted first; 0 keeps none (default: %(default)s)")
     worker.add_argument("--session-bytes", type=non_negative_int,
                         help="bound on the kept sessions' bytes (KV rows and turn anchors)")
+    worker.add_argument("--prefix-cache-bytes", type=non_negative_int, default=0,
+                        help="keep KV rows of finished prompts' 32-token blocks, within this "
+                             "many bytes, for later jobs that share a prefix (no session "
+                             "needed); 0 turns it off (default: %(default)s)")
     worker.add_argument("--checkpoint-store", metavar="URL", type=checkpoint_store,
                         help="where KV checkpoints go: redis://... or file:///shared/dir, "
                              "the same for every worker of a queue (default: this queue's "

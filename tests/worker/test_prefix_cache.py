@@ -1,0 +1,78 @@
+"""A worker's prefix cache (``--prefix-cache-bytes``, `worker.prefixes`) on the tiny Gemma 3
+through a real redis-server: a job that shares a prefix with one finished before starts from
+its held blocks (``reuse`` ``prefix``, ``cached_tokens``) with the logits of a cold prefill;
+jobs with prompt logprobs, sessions and a worker without the cache run as before."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jobs import JobState
+
+from .helpers import MODEL, ids
+
+# as tests/model/test_prefix_cache.py: a prefill from restored blocks against a cold one,
+# max |diff| / max |logit| (measured up to 1.1e-6 on the tiny models)
+REUSE_BOUND = 5e-6
+BUDGET = 64 << 20
+
+
+def _full_logits(client, job) -> np.ndarray:
+    return np.asarray(client.result(job, timeout=0).logits, dtype=np.float32)
+
+
+def _assert_cold_logits(logits: np.ndarray, tiny, token_ids) -> None:
+    ref = tiny.start_prefill(token_ids).run()
+    assert float(np.abs(logits - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
+    assert int(logits.argmax()) == int(ref.argmax())
+
+
+def test_a_job_sharing_a_finished_jobs_prefix_starts_from_its_blocks(setup, tiny):
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=1)
+    context = ids(100, 1)  # 3 whole 32-token blocks
+    first = client.submit(tokens=context + [300, 301], model=MODEL, logits="full")
+    worker.work(burst=True)
+    later = context[:80] + ids(40, 2)[1:]  # shares 2 whole blocks (64 tokens) and 16 more
+    second = client.submit(tokens=later, model=MODEL, logits="full")
+    worker.work(burst=True)
+    cold, warm = client.status(first), client.status(second)
+    assert (cold.state, cold.reuse, cold.cached_tokens) == (JobState.FINISHED, "cold", 0)
+    assert (warm.state, warm.reuse, warm.cached_tokens) == (JobState.FINISHED, "prefix", 64)
+    assert client.result(second, timeout=0).cached_tokens == 64
+    assert warm.chunks_done == 4  # 119 - 64 = 55 tokens in chunks of 16
+    _assert_cold_logits(_full_logits(client, second), tiny, later)
+    assert (worker.prefixes.reused_jobs, worker.prefixes.reused_tokens) == (1, 64)
+
+
+def test_prompt_logprobs_and_a_worker_without_the_cache_run_cold(setup, tiny):
+    worker, client = setup(prefix_cache_bytes=BUDGET)
+    context = ids(70, 3)
+    client.submit(tokens=context, model=MODEL)
+    worker.work(burst=True)
+    with_logprobs = client.submit(tokens=context + [300], model=MODEL, prompt_logprobs=2)
+    worker.work(burst=True)
+    assert (client.status(with_logprobs).reuse, client.status(with_logprobs).cached_tokens) == (
+        "cold", 0)
+    off, off_client = setup(name="w2")
+    assert off.prefixes is None
+    job = off_client.submit(tokens=context + [301], model=MODEL, logits="full")
+    off.work(burst=True)
+    assert client.status(job).reuse == "cold"
+    _assert_cold_logits(_full_logits(client, job), tiny, context + [301])
+
+
+def test_packed_steps_capture_and_reuse_prefixes_beside_other_jobs(setup, tiny):
+    """Jobs that capture write their last chunk's rows in a packed step; the next wave
+    reuses them, each job's logits those of a cold prefill."""
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=4)
+    contexts = [ids(64 + 10 * i, 10 + i) for i in range(3)]
+    for context in contexts:
+        client.submit(tokens=context, model=MODEL)
+    worker.work(burst=True)
+    prompts = [c[:64] + ids(20, 20 + i)[1:] for i, c in enumerate(contexts)]
+    jobs = [client.submit(tokens=p, model=MODEL, logits="full") for p in prompts]
+    worker.work(burst=True)
+    for job, prompt in zip(jobs, prompts, strict=True):
+        status = client.status(job)
+        assert (status.reuse, status.cached_tokens) == ("prefix", 64)
+        _assert_cold_logits(_full_logits(client, job), tiny, prompt)
