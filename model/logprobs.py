@@ -85,6 +85,10 @@ class PromptLogprobs:
     Attributes:
         token_logprob: float32 ``(n + 1,)``, NaN where there is none (entries 0 and n).
         top_ids, top_logprobs: int32 and float32 ``(n + 1, k)``, highest logprob first.
+        block_tokens: when set, the final-normed hidden state of every position p with
+            ``(p + 1) % block_tokens == 0`` is kept too (`block_hidden`, by block index), so a
+            prefix cache can keep a block's entries and compute the one after its last
+            position for any next token (`model.prefix_cache`).
     """
 
     def __init__(self, token_ids: Sequence[int], k: int, vocab_size: int):
@@ -95,15 +99,25 @@ class PromptLogprobs:
         self.top_ids = np.zeros((n + 1, self.k), np.int32)
         self.top_logprobs = np.zeros((n + 1, self.k), np.float32)
         self.filled = 0  # entries 1..filled hold results
+        self.block_tokens: int | None = None
+        self.block_hidden: dict[int, mx.array] = {}  # block -> float (1, hidden)
 
     def launch(self, model: PrefillModel, every: mx.array, start: int) -> tuple:
-        """The lazy head of the chunk at `start` (`chunk_head`), for `record`."""
+        """The lazy head of the chunk at `start` (`chunk_head`), and with `block_tokens` the
+        hidden states of the block ends in it, for `record`."""
         end = start + every.shape[1]
-        return chunk_head(model, every, self.token_ids[start + 1 : end + 1], self.k)
+        head = chunk_head(model, every, self.token_ids[start + 1 : end + 1], self.k)
+        if self.block_tokens is None:
+            return head
+        B = self.block_tokens
+        ends = list(range(-(-(start + 1) // B) * B - 1, end, B))  # positions p, (p+1) % B == 0
+        if not ends:
+            return head
+        return (*head, every[0, mx.array([p - start for p in ends], dtype=mx.int32)])
 
     def record(self, start: int, outputs: tuple) -> None:
-        """Store the evaluated `chunk_head` outputs of the chunk at `start`."""
-        token, ids, values = (np.array(a) for a in outputs)
+        """Store the evaluated `launch` outputs of the chunk at `start`."""
+        token, ids, values = (np.array(a) for a in outputs[:3])
         assert start == self.filled, f"chunk at {start} after results up to {self.filled}"
         rows = slice(start + 1, start + 1 + token.shape[0])
         order = np.lexsort((ids, -values), axis=-1)  # logprob descending, then id
@@ -111,6 +125,39 @@ class PromptLogprobs:
         self.top_ids[rows] = np.take_along_axis(ids, order, axis=-1)
         self.top_logprobs[rows] = np.take_along_axis(values, order, axis=-1)
         self.filled = rows.stop - 1
+        if len(outputs) > 3:
+            first = -(-(start + 1) // self.block_tokens) - 1  # the first block ending here
+            for i in range(outputs[3].shape[0]):
+                self.block_hidden[first + i] = outputs[3][i : i + 1]
+
+    def fill_prefix(self, model: PrefillModel, entries: Sequence[tuple], hidden: mx.array,
+                    block_tokens: int) -> None:
+        """Fill entries ``1..m * block_tokens`` of a prefill restored from m blocks of a
+        prefix cache: `entries` gives each block's entries after its first position
+        (``token_logprob (B - 1,)``, ``top_ids`` and ``top_logprobs`` ``(B - 1, K >= k)``,
+        highest first), and the entry after each block's last position is computed from
+        that position's hidden state, `hidden` float ``(m, hidden)`` (`chunk_head` on those
+        rows, the next prompt token as target). Only an empty `PromptLogprobs` is filled.
+
+        Raises:
+            ValueError: results were recorded already, or a block kept fewer than k.
+        """
+        B, m = block_tokens, len(entries)
+        if self.filled or any(e[1].shape[1] < self.k for e in entries):
+            raise ValueError(f"fill_prefix needs empty results and blocks of K >= {self.k}")
+        for b, (token, ids, values) in enumerate(entries):
+            rows = slice(b * B + 1, (b + 1) * B)
+            self.token_logprob[rows] = token
+            self.top_ids[rows], self.top_logprobs[rows] = ids[:, : self.k], values[:, : self.k]
+        targets = [self.token_ids[(b + 1) * B] for b in range(m)]
+        token, ids, values = (np.array(a) for a in chunk_head(model, hidden[None], targets,
+                                                              self.k))
+        order = np.lexsort((ids, -values), axis=-1)
+        at = [(b + 1) * B for b in range(m)]
+        self.token_logprob[at] = token
+        self.top_ids[at] = np.take_along_axis(ids, order, axis=-1)
+        self.top_logprobs[at] = np.take_along_axis(values, order, axis=-1)
+        self.filled = m * B
 
     def finish(self, logits: np.ndarray) -> None:
         """Fill entry n from the final logits, float32 ``(vocab,)`` (`top_k`'s values)."""

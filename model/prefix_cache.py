@@ -70,12 +70,37 @@ def block_keys(token_ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_
 
 
 @dataclass(frozen=True)
+class BlockLogprobs:
+    """A block's prompt log-probabilities (`model.logprobs.PromptLogprobs` entries): those
+    after each of its positions but the last, ``token_logprob`` float32 ``(B - 1,)`` and the
+    top K ``top_ids`` int32 / ``top_logprobs`` float32 ``(B - 1, K)``; and its last position's
+    final-normed hidden state, float ``(1, hidden)``, from which the entry after it is
+    computed for whatever token follows (`PromptLogprobs.fill_prefix`)."""
+
+    token_logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    hidden: mx.array
+
+    @property
+    def k(self) -> int:
+        return self.top_ids.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.token_logprob.nbytes + self.top_ids.nbytes + self.top_logprobs.nbytes
+                + self.hidden.nbytes)
+
+
+@dataclass(frozen=True)
 class PrefixBlock:
     """One block's rows: per layer, keys and values ``(1, n_kv_heads, block_tokens,
-    head_dim)`` (copies, evaluated), and their bytes."""
+    head_dim)`` (copies, evaluated), their bytes, and its prompt log-probabilities when the
+    job that kept it asked for them (None otherwise)."""
 
     rows: tuple[tuple[mx.array, mx.array], ...]
     nbytes: int
+    logprobs: BlockLogprobs | None = None
 
 
 class PrefixCache:
@@ -103,49 +128,76 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def longest(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys`, from the first, are held (a prompt's reusable blocks); those
-        become the most recently used."""
+    def _usable(self, key: bytes, k: int | None) -> bool:
+        """Whether block `key` is held, with prompt logprobs of at least `k` (None: any)."""
+        block = self._blocks.get(key)
+        return block is not None and (k is None or (block.logprobs is not None
+                                                    and block.logprobs.k >= k))
+
+    def longest(self, keys: Sequence[bytes], k: int | None = None) -> int:
+        """How many of `keys`, from the first, are held (a prompt's reusable blocks), with
+        prompt logprobs of at least `k` top entries where `k` is given; those become the
+        most recently used."""
         n = 0
-        while n < len(keys) and keys[n] in self._blocks:
+        while n < len(keys) and self._usable(keys[n], k):
             n += 1
         self._touch(keys[:n])
         return n
 
-    def insert(self, keys: Sequence[bytes], cache: ModelCache) -> int:
+    def missing(self, keys: Sequence[bytes], k: int | None = None) -> bool:
+        """Whether `insert` would add or complete a block of `keys` (one not held, or held
+        without prompt logprobs of `k` top entries where `k` is given)."""
+        return not all(self._usable(key, k) for key in keys)
+
+    def insert(self, keys: Sequence[bytes], cache: ModelCache,
+               logprobs: PromptLogprobs | None = None) -> int:
         """Keep the blocks of `keys` that are not held yet, their rows copied from `cache`
-        (block i: positions ``[i * block_tokens, (i + 1) * block_tokens)``), then evict past
-        `max_bytes`. Returns the blocks added.
+        (block i: positions ``[i * block_tokens, (i + 1) * block_tokens)``), with their
+        prompt logprobs from `logprobs` when it is given and kept the hidden states of the
+        block ends (``block_tokens``; a held block whose logprobs kept fewer top entries, or
+        none, gets these), then evict past `max_bytes`. Returns the blocks added or
+        completed.
 
         Raises:
             ValueError: `cache` has not committed those positions, or a sliding layer did
                 not keep their rows (`ModelCache.keep_rows`).
         """
-        added = []
+        B, added = self.block_tokens, []
+        with_logprobs = logprobs is not None and logprobs.block_tokens == B
         for i, key in enumerate(keys):
-            if key in self._blocks:
+            held = self._blocks.get(key)
+            lp = _block_logprobs(logprobs, i, B) if with_logprobs else None
+            if held is not None and (lp is None or self._usable(key, lp.k)):
                 continue
-            B = self.block_tokens
-            rows = tuple((mx.contiguous(k), mx.contiguous(v))
-                         for k, v in cache.rows(i * B, (i + 1) * B))
-            added.append((key, rows))
-        mx.eval([a for _, rows in added for kv in rows for a in kv])
-        for key, rows in added:
-            block = PrefixBlock(rows, sum(a.nbytes for kv in rows for a in kv))
+            rows = held.rows if held is not None else tuple(
+                (mx.contiguous(k), mx.contiguous(v)) for k, v in cache.rows(i * B, (i + 1) * B))
+            added.append((key, rows, lp))
+        mx.eval([a for _, rows, _ in added for kv in rows for a in kv],
+                [lp.hidden for _, _, lp in added if lp is not None])
+        for key, rows, lp in added:
+            if key in self._blocks:
+                self.nbytes -= self._blocks[key].nbytes
+            block = PrefixBlock(rows, sum(a.nbytes for kv in rows for a in kv)
+                                + (lp.nbytes if lp is not None else 0), lp)
             self._blocks[key] = block
             self.nbytes += block.nbytes
         self._touch(keys)
         self._evict()
         return len(added)
 
-    def restore(self, keys: Sequence[bytes], cache: ModelCache) -> int:
+    def restore(self, keys: Sequence[bytes], cache: ModelCache,
+                logprobs: PromptLogprobs | None = None, model: PrefillModel | None = None
+                ) -> int:
         """Write the blocks of `keys` (all held: `longest` first) into `cache`, empty, as if
         their tokens had been prefilled: global layers get every row, sliding layers their
-        window's (and all of them where `cache` keeps rows). Returns the position reached,
+        window's (and all of them where `cache` keeps rows); and with `logprobs` (and the
+        `model`, whose head computes each block's last entry), fill its entries up to the
+        position reached (`PromptLogprobs.fill_prefix`). Returns that position,
         ``len(keys) * block_tokens``.
 
         Raises:
-            KeyError: a block is not held. ValueError: `cache` is not empty and settled.
+            KeyError: a block is not held. ValueError: `cache` is not empty and settled, or
+            a block has no prompt logprobs of `logprobs.k` entries.
             ContextExhausted: the blocks pass the cache's context.
         """
         blocks = [self._blocks[key] for key in keys]
@@ -162,6 +214,13 @@ class PrefixCache:
                         mx.concatenate([b.rows[i][1] for b in blocks], axis=2), 0)
         mx.eval(cache.arrays())
         cache.commit(n)
+        if logprobs is not None:
+            if any(b.logprobs is None for b in blocks):
+                raise ValueError("restore with prompt logprobs needs blocks that kept them")
+            logprobs.fill_prefix(
+                model, [(b.logprobs.token_logprob, b.logprobs.top_ids, b.logprobs.top_logprobs)
+                        for b in blocks],
+                mx.concatenate([b.logprobs.hidden for b in blocks]), self.block_tokens)
         self._touch(keys)
         return n
 
@@ -175,6 +234,17 @@ class PrefixCache:
         while self.nbytes > self.max_bytes and self._blocks:
             _, block = self._blocks.popitem(last=False)
             self.nbytes -= block.nbytes
+
+
+def _block_logprobs(logprobs: PromptLogprobs, i: int, B: int) -> BlockLogprobs | None:
+    """Block `i`'s entries of `logprobs` (positions ``i * B + 1 .. (i + 1) * B - 1``) and
+    its last position's hidden state, or None when they are not all recorded."""
+    hidden = logprobs.block_hidden.get(i)
+    if hidden is None or logprobs.filled < (i + 1) * B - 1:
+        return None
+    rows = slice(i * B + 1, (i + 1) * B)
+    return BlockLogprobs(logprobs.token_logprob[rows].copy(), logprobs.top_ids[rows].copy(),
+                         logprobs.top_logprobs[rows].copy(), mx.contiguous(hidden))
 
 
 def token_bytes(cache: ModelCache) -> int:
@@ -202,10 +272,12 @@ def prefix_prefill(
     The cursor starts at the end of the held blocks (``cached_tokens``, ``reuse`` `PREFIX`;
     ``cold`` and 0 when none is held); a prompt held whole still runs its last block, so the
     final logits come from a forward pass. The rest is planned as a cold prefill's chunks from
-    there (`model.planner.plan_chunks`). A prefill with `prompt_logprobs` reuses nothing
-    (the held blocks keep no logprobs): it runs cold. The prompt's blocks are captured
-    (`ModelCache.keep_rows`, and its last chunk writes its rows) when some are not held yet
-    and all of them fit in the budget; the returned keys are empty otherwise. A model whose
+    there (`model.planner.plan_chunks`). A prefill with `prompt_logprobs` K reuses only
+    blocks that kept prompt logprobs of at least K top entries, and gets their entries
+    (`PromptLogprobs.fill_prefix`). The prompt's blocks are captured (`ModelCache.keep_rows`,
+    its last chunk writes its rows, and with `prompt_logprobs` the block ends' hidden states
+    are kept) when some are not held yet, or held with fewer logprobs, and all of them fit
+    in the budget; the returned keys are empty otherwise. A model whose
     cache is not a `ModelCache` (DeepSeek-V4's compressed cache) runs cold, capturing nothing.
 
     Args:
@@ -228,12 +300,15 @@ def prefix_prefill(
             plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens))), []
     B = prefixes.block_tokens
     keys = block_keys(ids, root_key(model_sha256, cache.layout(), salt), B)
-    held = 0 if logprobs is not None else prefixes.longest(keys[: (len(ids) - 1) // B])
-    capture = (any(key not in prefixes for key in keys[held:])
+    k = None if logprobs is None else logprobs.k
+    held = prefixes.longest(keys[: (len(ids) - 1) // B], k)
+    capture = (prefixes.missing(keys, k)
                and len(keys) * B * token_bytes(cache) <= prefixes.max_bytes)
     if capture:
         cache.keep_rows()
-    position = prefixes.restore(keys[:held], cache)
+        if logprobs is not None:
+            logprobs.block_tokens = B
+    position = prefixes.restore(keys[:held], cache, logprobs, model)
     plan = plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens,
                        cursor=position)
     prefill = Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs,

@@ -77,6 +77,7 @@ class PrefixBlocks:
         if ended != JobState.FINISHED or not active.prefix_keys:
             return
         try:
-            self.cache.insert(active.prefix_keys, active.prefill.cache)
+            self.cache.insert(active.prefix_keys, active.prefill.cache,
+                              active.prefill.logprobs)
         except Exception:
             log.exception("job %s: its prefix blocks were not kept", active.job_id)

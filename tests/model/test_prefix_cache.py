@@ -28,7 +28,8 @@ from model.registry import load_model
 # float32 on the CPU, max |diff| / max |logit| of a prefill from restored blocks against a
 # cold one of the same prompt: measured 0 to 1.1e-6 on the tiny models and 6.6e-7 to 9.5e-7
 # on Gemma 3 270M (the rows are the same numbers; the chunks after the prefix cut the
-# matmuls elsewhere). ~5x the worst.
+# matmuls elsewhere). ~5x the worst. Prompt logprobs x the largest |logprob| compared:
+# measured 0 to 2.6e-7 (tiny) and 8e-8 to 1.3e-6 (270M, prefixes of 96 and 576 tokens).
 REUSE_BOUND = 5e-6
 
 
@@ -237,16 +238,56 @@ def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
     assert float(np.abs(got - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
 
 
-def test_prompt_logprobs_run_cold_and_salts_or_a_small_budget_share_nothing(tiny):
+def test_blocks_without_logprobs_salts_or_a_small_budget_share_nothing(tiny):
     ids = _ids(np.random.default_rng(13), 80, tiny.vocab_size)
     prefixes = PrefixCache(max_bytes=1 << 30)
     first, keys = _prefix_prefill(tiny, ids, prefixes)
     first.run()
     prefixes.insert(keys, first.cache)
-    logprobs, _ = _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=2)
-    assert (logprobs.reuse, logprobs.cached_tokens) == ("cold", 0)
+    logprobs, keys = _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=2)
+    assert (logprobs.reuse, logprobs.cached_tokens, len(keys)) == ("cold", 0, 2)
+    logprobs.run()  # its blocks, held without logprobs, get them
+    assert prefixes.insert(keys, logprobs.cache, logprobs.logprobs) == 2
+    assert _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=2)[0].cached_tokens == 64
+    assert _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=3)[0].cached_tokens == 0
     salted, _ = _prefix_prefill(tiny, ids, prefixes, salt="tenant-b")
     assert salted.cached_tokens == 0
     one_block = PrefixCache(max_bytes=token_bytes(first.cache) * BLOCK_TOKENS)
     too_big, keys = _prefix_prefill(tiny, ids, one_block)  # 2 blocks over a 1-block budget
     assert keys == [] and too_big.cache.layers[0].log is None
+
+
+
+def _assert_logprobs_survive(loaded, context, cut, chunk, rng, high):
+    prefixes = PrefixCache(max_bytes=1 << 32)
+    first, keys = _prefix_prefill(loaded, context + [300, 301], prefixes, chunk_tokens=chunk,
+                                  prompt_logprobs=3)
+    first.run()
+    assert prefixes.insert(keys, first.cache, first.logprobs) == len(keys)
+    prompt = context[:cut] + [int(t) for t in rng.integers(3, high, 30)]
+    warm, _ = _prefix_prefill(loaded, prompt, prefixes, chunk_tokens=chunk, prompt_logprobs=2)
+    assert (warm.reuse, warm.cached_tokens, warm.logprobs.filled) == ("prefix", cut, cut)
+    got = warm.run()
+    cold = loaded.start_prefill(prompt, chunk_tokens=chunk, prompt_logprobs=2)
+    ref = cold.run()
+    assert float(np.abs(got - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
+    # the kept entries are the capturing prefill's, the entry after each block comes from
+    # its kept hidden state
+    a, b = warm.logprobs, cold.logprobs
+    scale = max(float(np.nanmax(np.abs(b.token_logprob))), float(np.abs(b.top_logprobs).max()))
+    np.testing.assert_array_equal(np.isnan(a.token_logprob), np.isnan(b.token_logprob))
+    assert float(np.nanmax(np.abs(a.token_logprob - b.token_logprob))) <= REUSE_BOUND * scale
+    assert float(np.abs(a.top_logprobs - b.top_logprobs).max()) <= REUSE_BOUND * scale
+    np.testing.assert_array_equal(a.top_ids, b.top_ids)
+
+
+@pytest.mark.parametrize("chunk", [16, 48])  # inside and past the 16-token window, mid-block
+def test_prompt_logprobs_survive_reuse_as_a_cold_prefill_gives_them(tiny, chunk):
+    rng = np.random.default_rng(14)
+    _assert_logprobs_survive(tiny, _ids(rng, 100, tiny.vocab_size), 96, chunk, rng,
+                             tiny.vocab_size)
+
+
+def test_prompt_logprobs_survive_reuse_on_gemma3_270m_past_its_window(gemma):
+    rng = np.random.default_rng(15)
+    _assert_logprobs_survive(gemma, _ids(rng, 600, 100_000), 576, 256, rng, 100_000)

@@ -1,7 +1,8 @@
 """A worker's prefix cache (``--prefix-cache-bytes``, `worker.prefixes`) on the tiny Gemma 3
 through a real redis-server: a job that shares a prefix with one finished before starts from
-its held blocks (``reuse`` ``prefix``, ``cached_tokens``) with the logits of a cold prefill;
-jobs with prompt logprobs, sessions and a worker without the cache run as before."""
+its held blocks (``reuse`` ``prefix``, ``cached_tokens``) with the logits of a cold prefill,
+and the prompt logprobs too where the blocks kept them; a worker without the cache runs as
+before."""
 
 from __future__ import annotations
 
@@ -44,21 +45,38 @@ def test_a_job_sharing_a_finished_jobs_prefix_starts_from_its_blocks(setup, tiny
     assert (worker.prefixes.reused_jobs, worker.prefixes.reused_tokens) == (1, 64)
 
 
-def test_prompt_logprobs_and_a_worker_without_the_cache_run_cold(setup, tiny):
-    worker, client = setup(prefix_cache_bytes=BUDGET)
-    context = ids(70, 3)
+def test_prompt_logprobs_reuse_blocks_that_kept_them_with_a_cold_jobs_values(setup, tiny):
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=1)
+    context = ids(70, 3)  # 2 whole blocks
     client.submit(tokens=context, model=MODEL)
     worker.work(burst=True)
-    with_logprobs = client.submit(tokens=context + [300], model=MODEL, prompt_logprobs=2)
+    first = client.submit(tokens=context + [300], model=MODEL, prompt_logprobs=2)
+    worker.work(burst=True)  # the blocks kept no logprobs: cold, and it adds them
+    assert (client.status(first).reuse, client.status(first).cached_tokens) == ("cold", 0)
+    prompt = context + [301, 302]
+    second = client.submit(tokens=prompt, model=MODEL, prompt_logprobs=2)
     worker.work(burst=True)
-    assert (client.status(with_logprobs).reuse, client.status(with_logprobs).cached_tokens) == (
-        "cold", 0)
+    assert (client.status(second).reuse, client.status(second).cached_tokens) == ("prefix", 64)
+    got = client.result(second, timeout=0).prompt_logprobs
+    cold = tiny.start_prefill(prompt, prompt_logprobs=2)
+    cold.run()
+    ref = cold.logprobs
+    assert [e["token"] for e in got] == [*prompt, None]
+    values = np.array([np.nan if e["logprob"] is None else e["logprob"] for e in got])
+    scale = float(np.nanmax(np.abs(ref.token_logprob)))
+    assert float(np.nanmax(np.abs(values - ref.token_logprob))) <= REUSE_BOUND * scale
+    assert [[t["id"] for t in e["top"]] for e in got[1:]] == ref.top_ids[1:].tolist()
+
+
+def test_a_worker_without_the_cache_runs_cold(setup, tiny):
+    context = ids(70, 3)
     off, off_client = setup(name="w2")
     assert off.prefixes is None
+    off_client.submit(tokens=context, model=MODEL)
     job = off_client.submit(tokens=context + [301], model=MODEL, logits="full")
     off.work(burst=True)
-    assert client.status(job).reuse == "cold"
-    _assert_cold_logits(_full_logits(client, job), tiny, context + [301])
+    assert off_client.status(job).reuse == "cold"
+    _assert_cold_logits(_full_logits(off_client, job), tiny, context + [301])
 
 
 def test_packed_steps_capture_and_reuse_prefixes_beside_other_jobs(setup, tiny):
