@@ -186,7 +186,9 @@ def _top_dict(top: list[dict], tokenizer: ServedTokenizer) -> dict[str, float]:
 
 def response(job_ids: Sequence[str], req: CompletionRequest, scored: Sequence[Scored],
              tokenizer: ServedTokenizer | None) -> dict[str, Any]:
-    """The ``text_completion`` object of a finished batch."""
+    """The ``text_completion`` object of a finished batch. ``usage.prompt_tokens_details
+    .cached_tokens`` counts the prompt tokens a worker reused instead of computing (a
+    session's slot or its prefix cache), as OpenAI's and vLLM's usage does."""
     generate = 1 if req.max_tokens is None else req.max_tokens
     prompt_tokens = sum(s.result.n_tokens for s in scored)
     return {
@@ -196,7 +198,9 @@ def response(job_ids: Sequence[str], req: CompletionRequest, scored: Sequence[Sc
         "model": req.model,
         "choices": [choice(i, s, req, tokenizer) for i, s in enumerate(scored)],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generate * len(scored),
-                  "total_tokens": prompt_tokens + generate * len(scored)},
+                  "total_tokens": prompt_tokens + generate * len(scored),
+                  "prompt_tokens_details": {
+                      "cached_tokens": sum(s.result.cached_tokens for s in scored)}},
     }
 
 

@@ -267,7 +267,7 @@ async def test_echo_logprobs_equal_the_native_prompt_logprobs(http, sync):
     assert lp["text_offset"][0] == 0
     assert choice["text"] == tokenizer.decode(token_ids) + native.top_k[0].piece
     assert scored["usage"] == {"prompt_tokens": 12, "completion_tokens": 1,
-                               "total_tokens": 13}
+                               "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 0}}
     assert scored["object"] == "text_completion" and choice["finish_reason"] == "length"
 
 
@@ -328,7 +328,8 @@ async def test_text_prompts_and_max_tokens_zero(http, sync):
     assert [c["logprobs"] for c in body["choices"]] == [None, None]
     tokenizer = sync.tokenizer(MODEL)
     n = sum(len(tokenizer.encode(p)) for p in ("The capital of", "Hello"))
-    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("extra, fragment", [
