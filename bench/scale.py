@@ -120,6 +120,10 @@ class WorkerFleet:
                     raise RuntimeError(f"worker {name} did not register:\n{tail}")
                 time.sleep(0.1)
 
+    def alive(self) -> bool:
+        """Whether every worker process is still running."""
+        return all(proc.poll() is None for proc in self.procs.values())
+
     def stop(self) -> list[int | None]:
         """SIGTERM every worker, wait for each (SIGKILL past STOP_TIMEOUT_S); exit codes."""
         for proc in self.procs.values():

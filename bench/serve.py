@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,13 +139,15 @@ class ArmRun:
 
 
 def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
-             timeout_s: float) -> tuple[list[str], float, dict[str, int]]:
+             timeout_s: float, alive: Callable[[], bool] | None = None
+             ) -> tuple[list[str], float, dict[str, int]]:
     """Submit `prompts` and wait for each job's terminal message (one pattern subscription,
     no polling, so the only commands counted are the clients' and the worker's); the job
     ids, the first submit's epoch seconds, and the commands in between.
 
     Raises:
-        TimeoutError: not every job ended within `timeout_s`.
+        TimeoutError: not every job ended within `timeout_s`. RuntimeError: `alive` (the
+            workers are running) turned false first.
     """
     counter, ended = EventCounter(conn), set()
     try:
@@ -153,6 +156,9 @@ def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
 
         def all_ended() -> bool:
             ended.update(counter.take_ended())
+            if alive is not None and not alive() and not ended >= set(job_ids):
+                raise RuntimeError(f"the worker exited with {len(set(job_ids) - ended)} of "
+                                   f"{len(job_ids)} jobs not ended")
             return ended >= set(job_ids)
 
         wait_until(all_ended, timeout_s, f"{len(job_ids)} jobs did not all end", poll_s=0.02)
@@ -213,9 +219,9 @@ def run_arm(server: RedisServer, arm: Arm, round_: int, work: Workload, log_dir:
     fleet = WorkerFleet(server.url, 1, worker_logs, work.spec, list(arm.flags))
     try:
         fleet.wait_registered(conn)
-        run_jobs(conn, server.url, work.model, work.warmup, timeout_s)
+        run_jobs(conn, server.url, work.model, work.warmup, timeout_s, fleet.alive)
         job_ids, first_submit, commands = run_jobs(conn, server.url, work.model, work.prompts,
-                                                   timeout_s)
+                                                   timeout_s, fleet.alive)
         statuses = statuses_of(conn, job_ids)
         wrong = spot_check(PrefillClient(conn), job_ids, statuses, work.expected)
     finally:

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         conn = redis.Redis.from_url(server.url)
         try:
             fleet.wait_registered(conn)
-            run_jobs(conn, server.url, work.model, work.warmup, args.timeout)
-            run_jobs(conn, server.url, work.model, work.prompts, args.timeout)
+            run_jobs(conn, server.url, work.model, work.warmup, args.timeout, fleet.alive)
+            run_jobs(conn, server.url, work.model, work.prompts, args.timeout, fleet.alive)
         finally:
             (code,) = fleet.stop()
         if code != 0 or not prof.exists():

@@ -3,19 +3,22 @@ prompts it finished, which later jobs sharing a prefix start from, no session id
 
 `PrefixBlocks.prefill` starts a job's first attempt from the longest prefix held
 (`model.prefix_cache.prefix_prefill`: ``reuse`` ``prefix`` and ``cached_tokens`` in its status
-and result); as a `worker.hooks.JobHooks`, it inserts a finished job's new blocks when the job
-leaves. One budget covers every model the worker serves (a block's key names its model file).
+and result), or defers it while a live job is prefilling the block that would extend that
+prefix (the choices of one multiple-choice question submitted together: the first computes
+the context, the others start from it once it finishes); as a `worker.hooks.JobHooks`, it
+inserts a finished job's new blocks when the job leaves. One budget covers every model the
+worker serves (a block's key names its model file).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from model.prefill import Prefill
-from model.prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_prefill
+from model.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys, prefix_prefill, root_key
 from model.registry import LoadedModel
 
 from .active import ActiveJob
@@ -37,25 +40,47 @@ class PrefixBlocks:
     def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS):
         self.cache = PrefixCache(max_bytes, block_tokens)
         self.reused_tokens = self.reused_jobs = 0
+        # block key -> the job that will insert it when it finishes (set at its start)
+        self.capturing: dict[bytes, str] = {}
+        self._roots: dict[str, bytes] = {}
 
-    def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *,
-                chunk_tokens: int | None, prompt_logprobs: int | None
-                ) -> tuple[Prefill, list[bytes]]:
-        """A job's first start on `loaded`: its prefill from the longest held prefix of
-        `token_ids`, and the keys of its blocks to insert when it finishes (empty: none).
+    def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,
+                chunk_tokens: int | None, prompt_logprobs: int | None,
+                live: Callable[[str], bool] = lambda job_id: False
+                ) -> tuple[Prefill, list[bytes]] | None:
+        """Job `job_id`'s first start on `loaded`: its prefill from the longest held prefix
+        of `token_ids`, and the keys of its blocks to insert when it finishes (empty: none);
+        or None to defer it, when a job for which `live` holds (resident, or starting with
+        it) will insert the block that would extend that prefix.
 
         Raises:
             ValueError: as `model.prefix_cache.prefix_prefill` (a prompt the checks let
                 through should not raise it).
         """
+        B = self.cache.block_tokens
+        reusable = block_keys(token_ids[: (len(token_ids) - 1) // B * B], self._root(loaded),
+                              B)
+        held = self.cache.longest(reusable, prompt_logprobs)
+        owner = self.capturing.get(reusable[held]) if held < len(reusable) else None
+        if owner is not None and owner != job_id and live(owner):
+            return None
         prefill, keys = prefix_prefill(
             loaded.model, token_ids, self.cache, loaded.sha256, vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, chunk_tokens=chunk_tokens,
             kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs)
+        for key in keys:
+            self.capturing.setdefault(key, job_id)
         if prefill.cached_tokens:
             self.reused_tokens += prefill.cached_tokens
             self.reused_jobs += 1
         return prefill, keys
+
+    def _root(self, loaded: LoadedModel) -> bytes:
+        """The root key of `loaded`'s prompts (`model.prefix_cache.root_key`, no salt)."""
+        if loaded.sha256 not in self._roots:
+            layout = loaded.model.make_cache(loaded.dtype).layout()
+            self._roots[loaded.sha256] = root_key(loaded.sha256, layout)
+        return self._roots[loaded.sha256]
 
     # -- JobHooks -------------------------------------------------------------------------
 
@@ -73,7 +98,11 @@ class PrefixBlocks:
 
     def leaving(self, active: ActiveJob, ended: JobState | None) -> None:
         """Insert the new blocks of a job that finished (its cache holds every row of its
-        prompt); a failure to copy them is logged and costs only later reuse."""
+        prompt); a failure to copy them is logged and costs only later reuse. The jobs
+        deferred for its blocks start at the next admission either way."""
+        for key in active.prefix_keys:
+            if self.capturing.get(key) == active.job_id:
+                del self.capturing[key]
         if ended != JobState.FINISHED or not active.prefix_keys:
             return
         try:

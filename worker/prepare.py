@@ -12,6 +12,7 @@ when it has one (`worker.checkpoints.checkpointing`), else cold.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,8 @@ class Prepared:
         checkpoints: set when the prefill was restored from a KV checkpoint.
         prefix_keys: the keys of the prompt's blocks the prefix cache keeps once the job
             finishes (`worker.prefixes.PrefixBlocks`); empty: none.
+        deferred: the job waits (untouched, back at the head of its queue) for a live job
+            that is prefilling the block its prompt would reuse next.
     """
 
     prefill: Prefill | None
@@ -58,13 +61,14 @@ class Prepared:
     slot: Any = None
     checkpoints: JobCheckpoints | None = None  # a resumed job's checkpoint state
     prefix_keys: list[bytes] = field(default_factory=list)
+    deferred: bool = False
 
 
 def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
             sessions: SessionSlots | None,
             checkpointing: Checkpointing | None = None,
-            limits: Limits = DEFAULT_LIMITS, prefixes: PrefixBlocks | None = None
-            ) -> Prepared:
+            limits: Limits = DEFAULT_LIMITS, prefixes: PrefixBlocks | None = None,
+            live: Callable[[str], bool] = lambda job_id: False) -> Prepared:
     """Check, tokenize and plan `record`'s job and allocate its cache, reuse its session's
     slot, restore it from the job's latest usable KV checkpoint, or, at its first start,
     start it from the longest prompt prefix `prefixes` holds.
@@ -82,6 +86,8 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         checkpointing: this worker's checkpoints, or None (a restarted job starts at 0).
         limits: this worker's limits.
         prefixes: this worker's prefix cache, or None (off).
+        live: whether a job is resident here or starting with this one (a job defers to
+            a live one prefilling its next block: `PrefixBlocks.prefill`).
     """
     try:
         check_record(record, limits)
@@ -95,12 +101,14 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         return _session_prefill(loaded, record, ids, cap, sessions)
     if prefixes is not None and record.chunk_plan is None:  # a later attempt keeps its plan
         try:
-            prefill, keys = prefixes.prefill(loaded, ids, chunk_tokens=cap,
-                                             prompt_logprobs=record.prompt_logprobs)
+            started = prefixes.prefill(loaded, ids, job_id=record.job_id, chunk_tokens=cap,
+                                       prompt_logprobs=record.prompt_logprobs, live=live)
         except Exception as e:
             log.exception("job %s: could not start", record.job_id)
             return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
-        return Prepared(prefill, prefix_keys=keys)
+        if started is None:
+            return Prepared(None, deferred=True)
+        return Prepared(started[0], prefix_keys=started[1])
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)

@@ -234,6 +234,16 @@ class Scheduler:
         """Jobs that may be admitted now (by `max_active`; 0 while one waits for KV room)."""
         return 0 if not self.admitting() else self.max_active - len(self.resident)
 
+    def wait_for_prefix(self, job_id: str, model: str, priority: int) -> None:
+        """Put a job back at the head of its intake queue, untouched, while a resident job
+        prefills the prefix it would reuse (`worker.prefixes.PrefixBlocks`): nothing is
+        admitted until a resident job leaves, then it is taken again (at once when none is
+        resident, which a job that was not taken after all leaves)."""
+        enqueue_admission(intake_queue(self.connection, model, priority), job_id,
+                          at_front=True)
+        self.room_needed = self.room_needed or bool(self.resident)
+        log.info("job %s waits for the prefix a resident job is prefilling", job_id)
+
     def wait_for_room(self, job_id: str, model: str, priority: int) -> None:
         """Put a job that does not fit back at the head of its intake queue, untouched, and
         admit nothing until a resident job leaves (`remove`)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobs import keys, scripts
@@ -39,16 +40,26 @@ class Starts:
         the KV budget, then take them (``queued -> prefilling``), in three round trips
         whatever their number: their records read, their START scripts, their registration
         as held here. Returns the jobs started; the others are not ours to run (gone, another
-        model, not queued, failed their input checks, wait for room, or a record that does
-        not decode: failed with ``CorruptJob``, `worker.intake.read_records`), and a session
-        slot one checked out is kept again then."""
-        starting, waiting, room = [], [], self.scheduler.kv_room()
+        model, not queued, failed their input checks, wait for room or for the prefix a job
+        here is prefilling, or a record that does not decode: failed with ``CorruptJob``,
+        `worker.intake.read_records`), and a session slot one checked out is kept again
+        then."""
+        starting, waiting, deferred = [], [], []
+        room = self.scheduler.kv_room()
+        wave: set[str] = set()  # the jobs starting with these
+
+        def live(job_id: str) -> bool:
+            return job_id in self.active or job_id in wave
+
         for record in read_records(self.connection, self.scripts, job_ids, self.result_ttl_s):
             if waiting:  # one did not fit: those behind it wait too, in order
                 waiting.append(record)
                 continue
-            start = self._prepare(record)
+            start = self._prepare(record, live)
             if start is None:
+                continue
+            if start.prepared.deferred:
+                deferred.append(record)
                 continue
             prefill = start.prepared.prefill
             nbytes = prefill.cache.nbytes if prefill is not None else 0
@@ -58,12 +69,16 @@ class Starts:
                 waiting.append(record)
                 continue
             starting.append(start)
+            wave.add(record.job_id)
             room = None if room is None else room - nbytes
         for record in reversed(waiting):  # each to the head of its queue, in their order
             self.scheduler.wait_for_room(record.job_id, record.model, record.priority)
-        return self._take(starting) if starting else []
+        started = self._take(starting) if starting else []
+        for record in reversed(deferred):
+            self.scheduler.wait_for_prefix(record.job_id, record.model, record.priority)
+        return started
 
-    def _prepare(self, record: JobRecord) -> _Start | None:
+    def _prepare(self, record: JobRecord, live: Callable[[str], bool]) -> _Start | None:
         job_id = record.job_id
         if record.state != JobState.QUEUED:  # a stray execution (the reaper's, a re-enqueue)
             log.info("job %s is %s; not starting it", job_id, record.state.value)
@@ -75,7 +90,8 @@ class Starts:
                 record, None, Prepared(None, (type(error).__name__, str(error))))
         return _Start(record, loaded, prepare(
             loaded, record, chunk_tokens=self.chunk_tokens, sessions=self.sessions,
-            checkpointing=self.checkpointing, limits=self.limits, prefixes=self.prefixes))
+            checkpointing=self.checkpointing, limits=self.limits, prefixes=self.prefixes,
+            live=live))
 
     def _take(self, starting: list[_Start]) -> list[ActiveJob]:
         calls = []

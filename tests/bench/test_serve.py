@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from bench.serve import LENGTHS, Arm, main, parse_arm, plan_prompts, workload
+from bench.serve import LENGTHS, Arm, main, parse_arm, plan_prompts, run_jobs, workload
 
 
 def test_an_arm_is_a_name_and_the_worker_flags_split_as_a_shell_would():
@@ -71,3 +71,20 @@ def test_the_hf_peer_batches_the_prompts_as_given_or_longest_first():
     assert sorted(prompts, key=len, reverse=True) == by_length
     with pytest.raises(ValueError, match="order"):
         batches(prompts, 4, "random")
+
+
+def test_waiting_for_jobs_ends_when_the_worker_exits(redis_server, tiny):
+    """A worker that dies (a crash, an OOM kill) ends the wait at once with the count of
+    jobs left, not at the timeout an hour later."""
+    import redis
+
+    from worker.settings import WorkerSettings
+    from worker.worker import PrefillWorker
+
+    conn = redis.Redis.from_url(redis_server)
+    conn.flushall()
+    # registered, then gone without a step
+    PrefillWorker({"gemma3-tiny": tiny}, conn, WorkerSettings(), name="gone").register_models()
+    with pytest.raises(RuntimeError, match="the worker exited with 2 of 2 jobs not ended"):
+        run_jobs(conn, redis_server, "gemma3-tiny", [[2, 300], [2, 301]], 3600,
+                 alive=lambda: False)

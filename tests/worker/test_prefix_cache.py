@@ -94,3 +94,45 @@ def test_packed_steps_capture_and_reuse_prefixes_beside_other_jobs(setup, tiny):
         status = client.status(job)
         assert (status.reuse, status.cached_tokens) == ("prefix", 64)
         _assert_cold_logits(_full_logits(client, job), tiny, prompt)
+
+
+def test_choices_submitted_together_wait_for_the_first_to_prefill_their_context(setup, tiny):
+    """A multiple-choice question's four requests arrive at once (lm-eval's batches): the
+    first computes the context, the others wait for it instead of computing it three more
+    times, then start after its whole blocks; a job with another context runs beside it."""
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=8, max_active=8)
+    context = ids(100, 4)
+    prompts = [context + ids(10, 30 + i)[1:] for i in range(4)]
+    other = ids(90, 5)
+    jobs = [client.submit(tokens=p, model=MODEL, logits="full") for p in prompts]
+    lone = client.submit(tokens=other, model=MODEL)
+    worker.work(burst=True)
+    statuses = [client.status(j) for j in jobs]
+    assert [(s.reuse, s.cached_tokens) for s in statuses] == [
+        ("cold", 0), ("prefix", 96), ("prefix", 96), ("prefix", 96)]
+    assert client.status(lone).state == JobState.FINISHED
+    assert worker.prefixes.capturing == {}  # every capture ended with its job
+    for job, prompt in zip(jobs, prompts, strict=True):
+        _assert_cold_logits(_full_logits(client, job), tiny, prompt)
+
+
+def test_a_deferred_job_starts_cold_when_the_job_it_waited_for_is_canceled(setup, tiny,
+                                                                           on_chunk):
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=1, max_active=4)
+    context = ids(100, 6)
+    first = client.submit(tokens=context + [300], model=MODEL)
+    second = client.submit(tokens=context + [301], model=MODEL, logits="full")
+    seen = []
+
+    def cancel_the_first_after_its_second_chunk(job_id, chunk_no):
+        if job_id == first and chunk_no == 2:
+            seen.append(sorted(worker.active))  # the second waits for the first's blocks
+            client.cancel(first)
+
+    on_chunk(cancel_the_first_after_its_second_chunk)
+    worker.work(burst=True)
+    assert seen == [[first]]
+    assert client.status(first).state == JobState.CANCELED
+    status = client.status(second)
+    assert (status.state, status.reuse, status.cached_tokens) == (JobState.FINISHED, "cold", 0)
+    _assert_cold_logits(_full_logits(client, second), tiny, context + [301])
