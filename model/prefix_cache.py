@@ -253,19 +253,11 @@ def token_bytes(cache: ModelCache) -> int:
     return sum(2 * s.n_kv_heads * s.head_dim for s in cache.specs) * cache.kv_dtype.size
 
 
-def prefix_prefill(
-    model: PrefillModel,
-    token_ids: Sequence[int],
-    prefixes: PrefixCache,
-    model_sha256: str,
-    *,
-    vocab_size: int,
-    context_length: int,
-    chunk_tokens: int | None = None,
-    kv_dtype: mx.Dtype = mx.float32,
-    prompt_logprobs: int | None = None,
-    salt: str | None = None,
-) -> tuple[Prefill, list[bytes]]:
+def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: PrefixCache,
+                   model_sha256: str, *, vocab_size: int, context_length: int,
+                   chunk_tokens: int | None = None, kv_dtype: mx.Dtype = mx.float32,
+                   prompt_logprobs: int | None = None, salt: str | None = None
+                   ) -> tuple[Prefill, list[bytes]]:
     """A prefill of `token_ids` that starts from the longest prefix `prefixes` holds, and the
     keys of the blocks to insert into it once the prefill is done (`PrefixCache.insert`).
 

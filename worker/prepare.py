@@ -100,15 +100,7 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
     if record.session and sessions is not None and sessions.max_slots > 0:
         return _session_prefill(loaded, record, ids, cap, sessions)
     if prefixes is not None and record.chunk_plan is None:  # a later attempt keeps its plan
-        try:
-            started = prefixes.prefill(loaded, ids, job_id=record.job_id, chunk_tokens=cap,
-                                       prompt_logprobs=record.prompt_logprobs, live=live)
-        except Exception as e:
-            log.exception("job %s: could not start", record.job_id)
-            return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
-        if started is None:
-            return Prepared(None, deferred=True)
-        return Prepared(started[0], prefix_keys=started[1])
+        return _prefix_prefill(loaded, record, ids, cap, prefixes, live)
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)
@@ -126,6 +118,20 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
+
+
+def _prefix_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
+                    chunk_tokens: int | None, prefixes: PrefixBlocks,
+                    live: Callable[[str], bool]) -> Prepared:
+    try:
+        started = prefixes.prefill(loaded, ids, job_id=record.job_id, chunk_tokens=chunk_tokens,
+                                   prompt_logprobs=record.prompt_logprobs, live=live)
+    except Exception as e:
+        log.exception("job %s: could not start", record.job_id)
+        return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
+    if started is None:
+        return Prepared(None, deferred=True)
+    return Prepared(started[0], prefix_keys=started[1])
 
 
 def _session_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],

@@ -66,21 +66,21 @@ class Stepper(Starts):
         settings: the worker's settings (its chunk cap, TTLs and limits are used here).
         sessions: the session slots this worker keeps (None: session jobs run cold).
         checkpointing: this worker's KV checkpoints (None: none are written or resumed).
-        prefixes: this worker's prefix cache (None: off; `worker.prefixes`).
         faults: the test-only fault plan (`worker.faults`); None in production.
     """
 
     def __init__(self, connection, name: str, models: dict[str, LoadedModel],
                  scheduler: Scheduler, settings: WorkerSettings, *,
                  sessions: SessionSlots | None = None,
-                 checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None,
-                 prefixes: PrefixBlocks | None = None):
+                 checkpointing: Checkpointing | None = None, faults: FaultPlan | None = None):
         self.connection, self.name, self.models = connection, name, models
         self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
-        self.prefixes = prefixes
+        # the prefix cache across jobs (``settings.prefix_cache_bytes``), None when off
+        self.prefixes = (PrefixBlocks(settings.prefix_cache_bytes)
+                         if settings.prefix_cache_bytes else None)
         # what follows each job's life besides its chunks (`JobHooks`), told in this order
         self.hooks: tuple[JobHooks, ...] = tuple(
-            h for h in (checkpointing, sessions, prefixes) if h is not None)
+            h for h in (checkpointing, sessions, self.prefixes) if h is not None)
         self.scheduler = scheduler
         self.chunk_tokens, self.limits = settings.chunk_tokens, settings.limits
         self.result_ttl_s, self.logits_ttl_s = settings.result_ttl_s, settings.logits_ttl_s

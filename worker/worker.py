@@ -32,7 +32,6 @@ from .checkpoints.store import open_store
 from .connection import RedisUnreachable, gave_up, give_up_after, refused_write, until_accepted
 from .faults import FaultPlan
 from .heartbeat import Heartbeat
-from .prefixes import PrefixBlocks
 from .scheduler import Admit, Idle, Run, Scheduler
 from .sessions import SessionSlots
 from .settings import WorkerSettings
@@ -147,13 +146,11 @@ class PrefillWorker(SimpleWorker):
             connection, name, max_slots=settings.session_slots,
             max_bytes=settings.session_bytes,
             checkpoints=self.checkpointing.sessions if self.checkpointing else None)
-        self.prefixes = (PrefixBlocks(settings.prefix_cache_bytes)
-                         if settings.prefix_cache_bytes else None)
         self.stepper = Stepper(connection, name, models, self.prefill_scheduler, settings,
                                sessions=self.sessions, checkpointing=self.checkpointing,
-                               faults=FaultPlan.from_env(), prefixes=self.prefixes)
-        self._rq_beat_at = 0.0
-        self._swept_at = time.monotonic()
+                               faults=FaultPlan.from_env())
+        self.prefixes = self.stepper.prefixes
+        self._rq_beat_at, self._swept_at = 0.0, time.monotonic()
         self.liveness = Heartbeat(connection, name, models, ttl_s=self.heartbeat_ttl_s,
                                   result_ttl_s=settings.result_ttl_s, on_beat=self._on_beat,
                                   publish_tokenizers=settings.publish_tokenizers)

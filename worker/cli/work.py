@@ -102,25 +102,7 @@ def add_worker(sub) -> None:
                              "GPU)")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
-    worker.add_argument("--session-slots", type=non_negative_int, default=DEFAULT_SESSION_SLOTS,
-                        help="sessions whose KV cache is kept after their job, least recently "
-                             "used evicted first; 0 keeps none (default: %(default)s)")
-    worker.add_argument("--session-bytes", type=non_negative_int,
-                        help="bound on the kept sessions' bytes (KV rows and turn anchors)")
-    worker.add_argument("--prefix-cache-bytes", type=non_negative_int, default=0,
-                        help="keep KV rows of finished prompts' 32-token blocks, within this "
-                             "many bytes, for later jobs that share a prefix (no session "
-                             "needed); 0 turns it off (default: %(default)s)")
-    worker.add_argument("--checkpoint-store", metavar="URL", type=checkpoint_store,
-                        help="where KV checkpoints go: redis://... or file:///shared/dir, "
-                             "the same for every worker of a queue (default: this queue's "
-                             "Redis)")
-    worker.add_argument("--checkpoint-every", type=checkpoint_every,
-                        default=DEFAULT_CHECKPOINT_EVERY, metavar="N|Ns|none",
-                        help="checkpoint a resident job every N chunks or N seconds, or never "
-                             "(default: %(default)s)")
-    worker.add_argument("--checkpoint-max-bytes", type=positive_int, metavar="B",
-                        help="do not checkpoint jobs whose KV cache is larger")
+    add_kept_caches(worker)
     worker.add_argument("--context", type=positive_int,
                         help="cap the serving context (tokens): the most prompt tokens a job "
                              "may have")
@@ -145,3 +127,27 @@ def add_worker(sub) -> None:
                         help="seconds without a heartbeat before a worker counts as dead "
                              "(default: %(default)s)")
     worker.set_defaults(func=cmd_worker)
+
+
+def add_kept_caches(worker) -> None:
+    """Add the flags of what a worker keeps beside its resident jobs' caches: session slots,
+    the prefix cache, KV checkpoints."""
+    worker.add_argument("--session-slots", type=non_negative_int, default=DEFAULT_SESSION_SLOTS,
+                        help="sessions whose KV cache is kept after their job, least recently "
+                             "used evicted first; 0 keeps none (default: %(default)s)")
+    worker.add_argument("--session-bytes", type=non_negative_int,
+                        help="bound on the kept sessions' bytes (KV rows and turn anchors)")
+    worker.add_argument("--prefix-cache-bytes", type=non_negative_int, default=0,
+                        help="keep KV rows of finished prompts' 32-token blocks, within this "
+                             "many bytes, for later jobs that share a prefix (no session "
+                             "needed); 0 turns it off (default: %(default)s)")
+    worker.add_argument("--checkpoint-store", metavar="URL", type=checkpoint_store,
+                        help="where KV checkpoints go: redis://... or file:///shared/dir, "
+                             "the same for every worker of a queue (default: this queue's "
+                             "Redis)")
+    worker.add_argument("--checkpoint-every", type=checkpoint_every,
+                        default=DEFAULT_CHECKPOINT_EVERY, metavar="N|Ns|none",
+                        help="checkpoint a resident job every N chunks or N seconds, or never "
+                             "(default: %(default)s)")
+    worker.add_argument("--checkpoint-max-bytes", type=positive_int, metavar="B",
+                        help="do not checkpoint jobs whose KV cache is larger")
