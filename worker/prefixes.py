@@ -68,12 +68,20 @@ class PrefixBlocks:
             loaded.model, token_ids, self.cache, loaded.sha256, vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, chunk_tokens=chunk_tokens,
             kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs)
-        for key in keys:
-            self.capturing.setdefault(key, job_id)
+        for key in keys:  # an owner that is no longer live gives way
+            if not live(self.capturing.get(key, job_id)):
+                self.capturing[key] = job_id
         if prefill.cached_tokens:
             self.reused_tokens += prefill.cached_tokens
             self.reused_jobs += 1
         return prefill, keys
+
+    def release(self, job_id: str, keys: Sequence[bytes]) -> None:
+        """Job `job_id` will not insert the blocks of `keys` (it left, or was not taken):
+        the jobs deferred for them start at the next admission."""
+        for key in keys:
+            if self.capturing.get(key) == job_id:
+                del self.capturing[key]
 
     def _root(self, loaded: LoadedModel) -> bytes:
         """The root key of `loaded`'s prompts (`model.prefix_cache.root_key`, no salt)."""
@@ -100,9 +108,7 @@ class PrefixBlocks:
         """Insert the new blocks of a job that finished (its cache holds every row of its
         prompt); a failure to copy them is logged and costs only later reuse. The jobs
         deferred for its blocks start at the next admission either way."""
-        for key in active.prefix_keys:
-            if self.capturing.get(key) == active.job_id:
-                del self.capturing[key]
+        self.release(active.job_id, active.prefix_keys)
         if ended != JobState.FINISHED or not active.prefix_keys:
             return
         try:

@@ -132,8 +132,12 @@ class Starts:
         return [active for active, _ in started if active.job_id in self.active]
 
     def _keep_slot(self, record: JobRecord, prepared: Prepared) -> None:
+        """Undo what a prepared job that is not taken holds: its session's slot is kept
+        again, its prefix captures are dropped."""
         if prepared.slot is not None:
             self.sessions.keep(record.session, record.model, prepared.slot)
+        if self.prefixes is not None:
+            self.prefixes.release(record.job_id, prepared.prefix_keys)
 
     def _activate(self, start: _Start, attempt: int) -> ActiveJob:
         record, prepared, started = start.record, start.prepared, now()

@@ -136,3 +136,23 @@ def test_a_deferred_job_starts_cold_when_the_job_it_waited_for_is_canceled(setup
     status = client.status(second)
     assert (status.state, status.reuse, status.cached_tokens) == (JobState.FINISHED, "cold", 0)
     _assert_cold_logits(_full_logits(client, second), tiny, context + [301])
+
+
+def test_a_job_defers_only_to_a_live_capturer_and_a_gone_one_gives_way(tiny):
+    from worker.prefixes import PrefixBlocks
+
+    blocks = PrefixBlocks(BUDGET)
+    context = ids(100, 7)
+    first = blocks.prefill(tiny, context + [300], job_id="a", chunk_tokens=None,
+                           prompt_logprobs=None)
+    assert first is not None and len(first[1]) == 3
+    assert set(blocks.capturing.values()) == {"a"}
+    later = context + [301]
+    assert blocks.prefill(tiny, later, job_id="b", chunk_tokens=None, prompt_logprobs=None,
+                          live=lambda job_id: job_id == "a") is None
+    # "a" was never taken (or left): "b" starts cold and captures the blocks itself
+    second = blocks.prefill(tiny, later, job_id="b", chunk_tokens=None, prompt_logprobs=None)
+    assert second is not None and second[0].cached_tokens == 0
+    assert blocks.capturing == dict.fromkeys(second[1], "b")
+    blocks.release("b", second[1])
+    assert blocks.capturing == {}
