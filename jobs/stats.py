@@ -23,6 +23,7 @@ CHUNK_SECONDS_BUCKETS: tuple[float, ...] = (
 
 SUBMITTED = "submitted"
 TOKENS_PREFILLED = "tokens_prefilled"
+TOKENS_REUSED = "tokens_reused"
 CHUNK_SECONDS_SUM = "chunk_seconds_sum"
 TERMINAL_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELED)
 # Commands `record_chunks` adds for one chunk (the chunk count is the buckets' sum); a step's
@@ -83,6 +84,13 @@ def record_terminal(pipe, state: JobState | str, n: int = 1) -> None:
     pipe.hincrby(keys.STATS, state.value, n)
 
 
+def record_reused(pipe, tokens: int) -> None:
+    """Count `tokens` prompt tokens that finished jobs reused instead of computing (a
+    session's slot or the worker's prefix cache) on `pipe` (one HINCRBY; none for 0)."""
+    if tokens:
+        pipe.hincrby(keys.STATS, TOKENS_REUSED, int(tokens))
+
+
 def record_submitted(pipe) -> None:
     """Count one new job on `pipe` (the submit's MULTI)."""
     pipe.hincrby(keys.STATS, SUBMITTED, 1)
@@ -125,6 +133,8 @@ class ClusterStats:
         tokens_prefilled: tokens run through a forward pass, never those reused from a
             session's slot or restored from a checkpoint; a chunk counts even when its job
             was canceled or fenced meanwhile (the work was done).
+        tokens_reused: prompt tokens of finished jobs that a session's slot or a worker's
+            prefix cache supplied instead of a forward pass (their ``cached_tokens``).
         chunks: the chunk-time histogram (fields ``chunk_le:<bound>``, one increment per
             chunk, not cumulative, and ``chunk_seconds_sum``).
         queue_depth: per registered model, executions waiting in its intake queues (every
@@ -145,6 +155,7 @@ class ClusterStats:
     failed: int = 0
     canceled: int = 0
     tokens_prefilled: int = 0
+    tokens_reused: int = 0
     chunks: ChunkHistogram = field(default_factory=lambda: histogram_of({}))
     queue_depth: dict[str, int] = field(default_factory=dict)
     routed: int = 0
@@ -238,7 +249,8 @@ def _decode(raw: Mapping, depth: dict[str, int], per_worker: list
             live[m] = live.get(m, 0) + 1
     fields = _fields(raw)
     counts = {name: int(fields.get(name, 0)) for name in
-              (SUBMITTED, TOKENS_PREFILLED, *(s.value for s in TERMINAL_STATES))}
+              (SUBMITTED, TOKENS_PREFILLED, TOKENS_REUSED,
+               *(s.value for s in TERMINAL_STATES))}
     return ClusterStats(
         **counts, chunks=histogram_of(raw), queue_depth=depth, routed=routed,
         prefilling=prefilling, live_workers=live, workers_alive=alive,

@@ -334,15 +334,18 @@ class Stepper(Starts):
             self.scheduler.remove(active.job_id)
         try:
             self._forget([active.job_id for active, _ in leaving] if deregister else [],
-                         [ended for _, ended in leaving if ended])
+                         [ended for _, ended in leaving if ended],
+                         sum(active.prefill.cached_tokens for active, ended in leaving
+                             if ended == JobState.FINISHED))
         finally:
             for active, ended in leaving:
                 for hook in self.hooks:
                     hook.leaving(active, ended)
 
-    def _forget(self, job_ids: list[str], ended: list[JobState]) -> None:
-        # One round trip: the held-jobs SREM and the ends' counts, which are best effort (a
-        # count Redis refuses is dropped; the SREM, a deletion, is never refused).
+    def _forget(self, job_ids: list[str], ended: list[JobState], reused: int = 0) -> None:
+        # One round trip: the held-jobs SREM and the ends' counts (the finished jobs' reused
+        # tokens among them), which are best effort (a count Redis refuses is dropped; the
+        # SREM, a deletion, is never refused).
         if not job_ids and not ended:
             return
         with self.connection.pipeline(transaction=False) as pipe:
@@ -350,6 +353,7 @@ class Stepper(Starts):
                 pipe.srem(keys.worker_jobs(self.name), *job_ids)
             for state, n in Counter(ended).items():
                 stats.record_terminal(pipe, state, n)
+            stats.record_reused(pipe, reused)
             replies = pipe.execute(raise_on_error=False)
         if job_ids and isinstance(replies[0], Exception):
             raise replies[0]

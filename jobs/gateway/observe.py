@@ -54,6 +54,7 @@ class Snapshot:
     Families: ``prefillq_jobs_total{state}`` (submitted, finished, failed, canceled),
     ``prefillq_jobs_current{state}`` (queued, prefilling now), ``prefillq_queue_depth{model}``,
     ``prefillq_routed_queue_depth``, ``prefillq_tokens_prefilled_total``,
+    ``prefillq_tokens_reused_total``,
     ``prefillq_chunk_seconds`` (histogram of chunk forward passes),
     ``prefillq_workers{state}`` (alive, dead) and ``prefillq_live_workers{model}``.
     """
@@ -81,6 +82,9 @@ class Snapshot:
                                 value=s.routed)
         yield CounterMetricFamily("prefillq_tokens_prefilled",
                                   "Tokens run through a forward pass", value=s.tokens_prefilled)
+        yield CounterMetricFamily("prefillq_tokens_reused",
+                                  "Prompt tokens of finished jobs reused from a session's slot "
+                                  "or a prefix cache", value=s.tokens_reused)
         h = s.chunks
         buckets = [(repr(float(b)), n) for b, n in zip(h.bounds, h.cumulative, strict=False)]
         yield HistogramMetricFamily("prefillq_chunk_seconds", "Seconds of a chunk's forward pass",

@@ -434,6 +434,7 @@ async def test_metrics_count_a_job_its_tokens_and_chunks(http, sync):
     assert delta("prefillq_jobs_total", state="finished") == 1
     assert delta("prefillq_jobs_total", state="failed") == 0
     assert delta("prefillq_tokens_prefilled_total") == 30
+    assert delta("prefillq_tokens_reused_total") == 0
     assert delta("prefillq_chunk_seconds_count") == 8  # 30 tokens in 4-token chunks
     assert delta("prefillq_chunk_seconds_bucket", le="+Inf") == 8
     assert delta("prefillq_chunk_seconds_sum") > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jobs import JobState
+from jobs.stats import read_cluster_stats_sync
 
 from .helpers import MODEL, ids
 
@@ -43,6 +44,7 @@ def test_a_job_sharing_a_finished_jobs_prefix_starts_from_its_blocks(setup, tiny
     assert warm.chunks_done == 4  # 119 - 64 = 55 tokens in chunks of 16
     _assert_cold_logits(_full_logits(client, second), tiny, later)
     assert (worker.prefixes.reused_jobs, worker.prefixes.reused_tokens) == (1, 64)
+    assert read_cluster_stats_sync(client.redis).tokens_reused == 64  # /metrics' counter
 
 
 def test_prompt_logprobs_reuse_blocks_that_kept_them_with_a_cold_jobs_values(setup, tiny):

@@ -45,6 +45,7 @@ def test_tokens_and_chunks_are_counted_as_computed(setup, tiny):
     assert_logits_match(results[3], tiny, follow)
     s = read_cluster_stats_sync(client.redis)
     assert s.tokens_prefilled == sum(r.n_tokens - r.cached_tokens for r in results) == 360
+    assert s.tokens_reused == sum(r.cached_tokens for r in results) == 440
     assert s.chunks.count == sum(r.chunks_done for r in results)
     assert s.chunks.count == chunks_of(20) + chunks_of(100, 7) + chunks_of(200) + 3
     assert s.chunks.cumulative[-1] == s.chunks.count
