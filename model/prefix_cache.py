@@ -1,15 +1,14 @@
 """A worker's prefix cache: KV rows of prompt prefixes kept across jobs, no session id needed.
 
-Prompts are cut into blocks of `BLOCK_TOKENS` tokens. A block's key hashes its parent's key
-and its token ids, and the first block's parent hashes the model file's sha256, the cache
-layout (architecture, KV dtype, layer shapes) and an optional salt, so a key names one
-prefix of one model's cache, the same in every process and on every machine (SHA-256, no
-per-process seed). A block holds every layer's keys and values of its positions, the sliding
-layers' included (`ModelCache.keep_rows` keeps them while a prompt is prefilled), so a reuse
-may end at any block edge: a cache restored from m blocks holds each sliding layer's window
-before position ``m * BLOCK_TOKENS``. Blocks are evicted least recently used first, within a
-byte budget, a prefix's last blocks before its first (a block is touched after its
-descendants, so the blocks kept always form whole prefixes from the root).
+Prompts are cut into blocks of B tokens, each named by a key its caller gives
+(`jobs.prefixes.block_keys`: SHA-256 chained from a root over the model file, the cache
+layout and a salt, the same in every process). A block holds every layer's keys and values
+of its positions, the sliding layers' included (`ModelCache.keep_rows` keeps them while a
+prompt is prefilled), so a reuse may end at any block edge: a cache restored from m blocks
+holds each sliding layer's window before position ``m * B``. Blocks are evicted least
+recently used first, within a byte budget, a prefix's last blocks before its first (a block
+is touched after its descendants, so the blocks kept always form whole prefixes from the
+root).
 
 Scope: `model.kv_cache.ModelCache` (Gemma 3, the Llama family); DeepSeek-V4's compressed
 cache is not cut into blocks.
@@ -17,8 +16,6 @@ cache is not cut into blocks.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,41 +29,7 @@ from .logprobs import PromptLogprobs
 from .planner import check_prompt, plan_chunks
 from .prefill import Prefill
 
-# Tokens a block: small enough that most evaluation contexts (a few hundred tokens) share
-# whole blocks, large enough that a 2,000-token prompt is 63 keys.
-BLOCK_TOKENS = 32
-KEY_BYTES = 16
-_KEY_VERSION = "prefillq prefix v1"
 PREFIX = "prefix"  # ``Prefill.reuse`` of a prefill that started from held blocks
-
-
-def root_key(model_sha256: str, layout: dict, salt: str | None = None) -> bytes:
-    """The parent of a prompt's first block: SHA-256 over the model file's `model_sha256`
-    (hex), the cache `layout` (``ModelCache.layout()``: architecture, KV dtype, layer
-    shapes) and `salt` (requests that must not share a prefix give different salts),
-    `KEY_BYTES` bytes."""
-    text = json.dumps({"v": _KEY_VERSION, "model": model_sha256, "layout": layout,
-                       "salt": salt}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).digest()[:KEY_BYTES]
-
-
-def block_keys(token_ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS
-               ) -> list[bytes]:
-    """The key of each whole block of `token_ids` (a partial last block has none): block i's
-    is SHA-256 of block i - 1's key (`root` for the first) and its ids as little-endian
-    int32, `KEY_BYTES` bytes.
-
-    Raises:
-        ValueError: `block_tokens` < 1.
-    """
-    if block_tokens < 1:
-        raise ValueError(f"block_tokens must be at least 1, not {block_tokens}")
-    ids = np.asarray(token_ids, dtype="<i4")
-    keys, parent = [], root
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        parent = hashlib.sha256(parent + ids[start : start + block_tokens].tobytes()).digest()
-        keys.append(parent[:KEY_BYTES])
-    return keys
 
 
 @dataclass(frozen=True)
@@ -114,7 +77,7 @@ class PrefixCache:
         ValueError: a negative `max_bytes` or `block_tokens` < 1.
     """
 
-    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, max_bytes: int, block_tokens: int):
         if max_bytes < 0 or block_tokens < 1:
             raise ValueError(f"max_bytes must be >= 0 and block_tokens >= 1, got {max_bytes} "
                              f"and {block_tokens}")
@@ -254,10 +217,9 @@ def token_bytes(cache: ModelCache) -> int:
 
 
 def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: PrefixCache,
-                   model_sha256: str, *, vocab_size: int, context_length: int,
+                   keys: Sequence[bytes], *, vocab_size: int, context_length: int,
                    chunk_tokens: int | None = None, kv_dtype: mx.Dtype = mx.float32,
-                   prompt_logprobs: int | None = None, salt: str | None = None
-                   ) -> tuple[Prefill, list[bytes]]:
+                   prompt_logprobs: int | None = None) -> tuple[Prefill, list[bytes]]:
     """A prefill of `token_ids` that starts from the longest prefix `prefixes` holds, and the
     keys of the blocks to insert into it once the prefill is done (`PrefixCache.insert`).
 
@@ -274,14 +236,15 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
 
     Args:
         prefixes: the worker's held blocks.
-        model_sha256: the model file's sha256 (hex), part of every key (`root_key`).
-        salt: requests with different salts never share blocks (None: the default).
+        keys: the key of each whole block of `token_ids` (``len(token_ids) //
+            prefixes.block_tokens`` of them: `jobs.prefixes.block_keys`, whose root names
+            the model file, this cache's layout and a salt).
         The others: as `model.start.start_prefill`.
     Returns:
-        the prefill, and the keys of its whole blocks when they are to be inserted.
+        the prefill, and `keys` when its blocks are to be inserted (else empty).
     Raises:
-        ValueError: no ids, an id outside the vocabulary, or more ids than
-            `context_length` (`model.planner.check_prompt`).
+        ValueError: no ids, an id outside the vocabulary, more ids than `context_length`
+            (`model.planner.check_prompt`), or not one key a whole block.
     """
     ids = check_prompt(token_ids, vocab_size, context_length)
     cache = model.make_cache(kv_dtype, capacity=len(ids), context_length=context_length)
@@ -291,7 +254,8 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
         return Prefill(model=model, token_ids=ids, cache=cache, logprobs=logprobs, plan=(
             plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens))), []
     B = prefixes.block_tokens
-    keys = block_keys(ids, root_key(model_sha256, cache.layout(), salt), B)
+    if len(keys) != len(ids) // B:
+        raise ValueError(f"{len(keys)} keys for {len(ids) // B} whole blocks of {B} tokens")
     k = None if logprobs is None else logprobs.k
     held = prefixes.longest(keys[: (len(ids) - 1) // B], k)
     capture = (prefixes.missing(keys, k)
@@ -306,4 +270,4 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
     prefill = Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs,
                       cached_tokens=position, reuse=PREFIX if position else "cold",
                       keep_cache=capture)
-    return prefill, keys if capture else []
+    return prefill, list(keys) if capture else []

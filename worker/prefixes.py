@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from jobs.prefixes import BLOCK_TOKENS, block_keys, root_key
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from model.prefill import Prefill
-from model.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys, prefix_prefill, root_key
+from model.prefix_cache import PrefixCache, prefix_prefill
 from model.registry import LoadedModel
 
 from .active import ActiveJob
@@ -58,14 +59,14 @@ class PrefixBlocks:
                 through should not raise it).
         """
         B = self.cache.block_tokens
-        reusable = block_keys(token_ids[: (len(token_ids) - 1) // B * B], self._root(loaded),
-                              B)
+        keys = block_keys(token_ids, self.root(loaded), B)
+        reusable = keys[: (len(token_ids) - 1) // B]
         held = self.cache.longest(reusable, prompt_logprobs)
         owner = self.capturing.get(reusable[held]) if held < len(reusable) else None
         if owner is not None and owner != job_id and live(owner):
             return None
         prefill, keys = prefix_prefill(
-            loaded.model, token_ids, self.cache, loaded.sha256, vocab_size=loaded.vocab_size,
+            loaded.model, token_ids, self.cache, keys, vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, chunk_tokens=chunk_tokens,
             kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs)
         for key in keys:  # an owner that is no longer live gives way
@@ -83,8 +84,9 @@ class PrefixBlocks:
             if self.capturing.get(key) == job_id:
                 del self.capturing[key]
 
-    def _root(self, loaded: LoadedModel) -> bytes:
-        """The root key of `loaded`'s prompts (`model.prefix_cache.root_key`, no salt)."""
+    def root(self, loaded: LoadedModel) -> bytes:
+        """The root key of `loaded`'s prompts here (`jobs.prefixes.root_key` over its file
+        and its cache's layout, no salt)."""
         if loaded.sha256 not in self._roots:
             layout = loaded.model.make_cache(loaded.dtype).layout()
             self._roots[loaded.sha256] = root_key(loaded.sha256, layout)

@@ -5,24 +5,15 @@ tiny Llama-family model (global attention only)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from jobs.prefixes import BLOCK_TOKENS, block_keys, root_key
 from model.cache import RowLog
 from model.planner import plan_chunks
 from model.prefill import Prefill
-from model.prefix_cache import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    block_keys,
-    prefix_prefill,
-    root_key,
-    token_bytes,
-)
+from model.prefix_cache import PrefixCache, prefix_prefill, token_bytes
 from model.registry import load_model
 
 # float32 on the CPU, max |diff| / max |logit| of a prefill from restored blocks against a
@@ -71,38 +62,6 @@ def _close(out: np.ndarray, ref: np.ndarray) -> None:
     assert int(out.argmax()) == int(ref.argmax())
 
 
-# --- keys ---------------------------------------------------------------------------------
-
-
-def test_a_prompts_keys_chain_its_whole_blocks():
-    root = root_key("ab" * 32, {"layers": [[1, 16, None]]})
-    ids = list(range(100))
-    keys = block_keys(ids, root, 32)
-    assert len(keys) == 3 and len(set(keys)) == 3  # the last 4 ids make no block
-    assert block_keys(ids[:64], root, 32) == keys[:2]  # a prefix's keys prefix the prompt's
-    assert block_keys(ids[:31], root, 32) == []
-    other = block_keys([7, *ids[1:]], root, 32)  # one id changed: every key after it too
-    assert all(a != b for a, b in zip(keys, other, strict=True))
-    with pytest.raises(ValueError, match="block_tokens"):
-        block_keys(ids, root, 0)
-
-
-def test_the_root_names_the_model_file_the_cache_layout_and_the_salt():
-    layout = {"kv_dtype": "float32", "layers": [[1, 16, 16]]}
-    base = root_key("0" * 64, layout)
-    assert base == root_key("0" * 64, dict(reversed(layout.items())))  # key order aside
-    assert len({base, root_key("1" * 64, layout), root_key("0" * 64, layout, "tenant-a"),
-                root_key("0" * 64, {**layout, "kv_dtype": "bfloat16"})}) == 4
-
-
-def test_keys_are_the_same_in_another_process():
-    code = ("from model.prefix_cache import block_keys, root_key;"
-            "print(' '.join(k.hex() for k in block_keys(range(70), root_key('f' * 64, {}), 32)))")
-    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True).stdout.split()
-    assert there == [k.hex() for k in block_keys(range(70), root_key("f" * 64, {}), 32)]
-
-
 # --- reuse --------------------------------------------------------------------------------
 
 
@@ -127,7 +86,7 @@ def test_a_shared_prefix_restored_from_blocks_prefills_like_a_cold_prompt(tiny, 
 def test_gemma3_270m_reuses_prefixes_inside_and_past_its_512_token_window(gemma):
     rng = np.random.default_rng(9)
     first = _ids(rng, 700, 100_000)
-    cache = PrefixCache(max_bytes=1 << 32)
+    cache = PrefixCache(1 << 32, BLOCK_TOKENS)
     cache.insert(block_keys(first, _root(gemma), BLOCK_TOKENS),
                  _cold(gemma, first, 300, True).cache)
     for shared in (350, 600):  # 320 and 576 tokens reused: inside, then past the window
@@ -203,15 +162,17 @@ def test_a_row_log_keeps_the_last_write_of_each_position():
         log.rows(20, 30)
 
 
-def _prefix_prefill(loaded, ids, prefixes, **kwargs):
-    return prefix_prefill(loaded.model, ids, prefixes, loaded.sha256, vocab_size=loaded.vocab_size,
-                          context_length=loaded.context_length, **kwargs)
+def _prefix_prefill(loaded, ids, prefixes, salt=None, **kwargs):
+    root = root_key(loaded.sha256, loaded.model.make_cache(mx.float32).layout(), salt)
+    return prefix_prefill(loaded.model, ids, prefixes, block_keys(ids, root, BLOCK_TOKENS),
+                          vocab_size=loaded.vocab_size, context_length=loaded.context_length,
+                          **kwargs)
 
 
 def test_a_prefill_starts_from_the_longest_held_prefix_and_equals_a_cold_one(tiny):
     rng = np.random.default_rng(11)
     context = _ids(rng, 100, tiny.vocab_size)  # 3 whole blocks of 32
-    prefixes = PrefixCache(max_bytes=1 << 30)
+    prefixes = PrefixCache(1 << 30, BLOCK_TOKENS)
     first, keys = _prefix_prefill(tiny, context + [5, 6, 7], prefixes, chunk_tokens=48)
     assert (first.reuse, first.cached_tokens, len(keys)) == ("cold", 0, 3)
     first.run()
@@ -227,7 +188,7 @@ def test_a_prefill_starts_from_the_longest_held_prefix_and_equals_a_cold_one(tin
 
 def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
     ids = _ids(np.random.default_rng(12), 64, tiny.vocab_size)
-    prefixes = PrefixCache(max_bytes=1 << 30)
+    prefixes = PrefixCache(1 << 30, BLOCK_TOKENS)
     first, keys = _prefix_prefill(tiny, ids, prefixes)
     first.run()
     prefixes.insert(keys, first.cache)
@@ -240,7 +201,7 @@ def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
 
 def test_blocks_without_logprobs_salts_or_a_small_budget_share_nothing(tiny):
     ids = _ids(np.random.default_rng(13), 80, tiny.vocab_size)
-    prefixes = PrefixCache(max_bytes=1 << 30)
+    prefixes = PrefixCache(1 << 30, BLOCK_TOKENS)
     first, keys = _prefix_prefill(tiny, ids, prefixes)
     first.run()
     prefixes.insert(keys, first.cache)
@@ -252,14 +213,14 @@ def test_blocks_without_logprobs_salts_or_a_small_budget_share_nothing(tiny):
     assert _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=3)[0].cached_tokens == 0
     salted, _ = _prefix_prefill(tiny, ids, prefixes, salt="tenant-b")
     assert salted.cached_tokens == 0
-    one_block = PrefixCache(max_bytes=token_bytes(first.cache) * BLOCK_TOKENS)
+    one_block = PrefixCache(token_bytes(first.cache) * BLOCK_TOKENS, BLOCK_TOKENS)
     too_big, keys = _prefix_prefill(tiny, ids, one_block)  # 2 blocks over a 1-block budget
     assert keys == [] and too_big.cache.layers[0].log is None
 
 
 
 def _assert_logprobs_survive(loaded, context, cut, chunk, rng, high):
-    prefixes = PrefixCache(max_bytes=1 << 32)
+    prefixes = PrefixCache(1 << 32, BLOCK_TOKENS)
     first, keys = _prefix_prefill(loaded, context + [300, 301], prefixes, chunk_tokens=chunk,
                                   prompt_logprobs=3)
     first.run()
