@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from . import keys, protocol, scripts, stats
+from . import keys, prefixes, protocol, scripts, stats
 from .limits import Limits
 from .queues import intake_levels, new_admission, rq_queue_key
 from .requests import ModelInfo, SubmitRequest, check_against_model, name_of
@@ -102,6 +102,38 @@ def model(name: str) -> Plan:
     return protocol.model_info(name, blob)
 
 
+def model_and_prefix_root(name: str) -> Plan:
+    """`name`'s registration (`ModelInfo`) and the root key of its prompts' prefix blocks
+    where a worker keeps a prefix cache for it (else None), in one round trip.
+
+    Raises:
+        UnknownModel: no registration, or one that does not decode.
+    """
+    blob, root = yield reads(("hget", keys.MODELS, name_of("model", name)),
+                             ("hget", keys.PREFIX_ROOTS, name))
+    if blob is None:
+        raise protocol.unknown_model(name, (yield from models()))
+    return protocol.model_info(name, blob), root
+
+
+def prefix_holder(token_ids: list[int] | None, root: bytes | None) -> Plan:
+    """The live worker that keeps the longest routed prefix of `token_ids` (`jobs.prefixes`:
+    its routing entries, then its heartbeat), or None: no ids, no root (no worker keeps a
+    prefix cache for the model), no entry, or a holder that is gone."""
+    if token_ids is None or root is None:
+        return None
+    reusable = prefixes.block_keys(token_ids[: len(token_ids) - 1], bytes.fromhex(root.decode()))
+    routed = [reusable[i] for i in prefixes.route_blocks(len(reusable))]
+    if not routed:
+        return None
+    holders = yield reads(*(("get", keys.prefix_route(key)) for key in routed))
+    holder = next((h for h in reversed(holders) if h is not None), None)
+    alive = False
+    if holder is not None:
+        (alive,) = yield reads(("exists", keys.worker_heartbeat(holder.decode())))
+    return protocol.live_holder(holder, bool(alive))
+
+
 def tokenizer_blob(info: ModelInfo) -> Plan:
     """GET of `info`'s published tokenizer (None: not published)."""
     (blob,) = yield reads(("get", keys.tokenizer(info.sha256)))
@@ -132,7 +164,8 @@ def submit(request: SubmitRequest, limits: Limits, max_queue_depth: int,
     """Enqueue `request`; returns the job id (an idempotent resubmit's first one). Errors
     as `PrefillClient.submit`: `request` is checked against `limits` before any trip."""
     record = request.checked(limits).record(uuid.uuid4().hex, now())
-    check_against_model(record, (yield from model(record.model)), limits)
+    info, prefix_root = yield from model_and_prefix_root(record.model)
+    check_against_model(record, info, limits)
     protocol.check_depth(record.model, (yield from intake_depth(record.model)),
                          max_queue_depth)
     claim = None if record.idempotency_key is None else keys.idempotency(record.idempotency_key)
@@ -143,7 +176,8 @@ def submit(request: SubmitRequest, limits: Limits, max_queue_depth: int,
             (first,) = yield reads(("get", claim))
             return first.decode()
     try:
-        worker = (yield from session_holder(record.session)) if record.session else None
+        worker = ((yield from session_holder(record.session)) if record.session
+                  else (yield from prefix_holder(record.tokens, prefix_root)))
 
         def writes(pipe) -> None:  # the record and its RQ job land together
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())

@@ -55,6 +55,13 @@ SESSION_HOLDER = PREFIX + ":session:{session}:holder"
 # the record naming its model and checksum (written last)
 SESSION_CHECKPOINT = PREFIX + ":session:{session}:ckpt:{part}"
 
+# model name -> the root key (hex) of its prompts' prefix blocks, written by the workers that
+# keep a prefix cache (`jobs.prefixes`); a hash
+PREFIX_ROOTS = PREFIX + ":prefix-roots"
+# a prefix block's key (hex) -> the name of a worker that keeps the block; a few blocks of each
+# kept prompt (`jobs.prefixes.route_blocks`), expiring (`jobs.prefixes.ROUTE_TTL_S`)
+PREFIX_ROUTE = PREFIX + ":prefix:{key}"
+
 # priorities that have an intake queue, per model (a set of ints)
 PRIORITIES = PREFIX + ":priorities:{model}"
 
@@ -139,6 +146,10 @@ def worker_models(worker: str) -> str:
 
 def session_holder(session: str) -> str:
     return SESSION_HOLDER.format(session=session)
+
+
+def prefix_route(key: bytes) -> str:
+    return PREFIX_ROUTE.format(key=key.hex())
 
 
 def session_checkpoint(session: str, part: str) -> str:

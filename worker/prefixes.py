@@ -6,8 +6,9 @@ prompts it finished, which later jobs sharing a prefix start from, no session id
 and result), or defers it while a live job is prefilling the block that would extend that
 prefix (the choices of one multiple-choice question submitted together: the first computes
 the context, the others start from it once it finishes); as a `worker.hooks.JobHooks`, it
-inserts a finished job's new blocks when the job leaves. One budget covers every model the
-worker serves (a block's key names its model file).
+inserts a finished job's new blocks when the job leaves, and publishes routing entries for
+them (`jobs.prefixes`), so that `submit` sends a later job sharing the prefix here. One
+budget covers every model the worker serves (a block's key names its model file).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from jobs.prefixes import BLOCK_TOKENS, block_keys, root_key
+from jobs import keys
+from jobs.prefixes import BLOCK_TOKENS, ROUTE_TTL_S, block_keys, root_key, route_blocks
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from model.prefill import Prefill
@@ -29,7 +31,8 @@ log = logging.getLogger("prefillq.worker")
 
 class PrefixBlocks:
     """The worker's held prefix blocks, within `max_bytes` (least recently used evicted
-    first, a prefix's tail before its head: `model.prefix_cache.PrefixCache`).
+    first, a prefix's tail before its head: `model.prefix_cache.PrefixCache`); with a Redis
+    `connection`, the routing entries of the blocks it keeps name `worker`.
 
     Attributes:
         reused_tokens, reused_jobs: prompt tokens restored from held blocks instead of
@@ -38,8 +41,10 @@ class PrefixBlocks:
         ValueError: `max_bytes` < 0 or `block_tokens` < 1.
     """
 
-    def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, max_bytes: int, connection=None, worker: str = "",
+                 block_tokens: int = BLOCK_TOKENS):
         self.cache = PrefixCache(max_bytes, block_tokens)
+        self.connection, self.worker = connection, worker
         self.reused_tokens = self.reused_jobs = 0
         # block key -> the job that will insert it when it finishes (set at its start)
         self.capturing: dict[bytes, str] = {}
@@ -118,3 +123,20 @@ class PrefixBlocks:
                               active.prefill.logprobs)
         except Exception:
             log.exception("job %s: its prefix blocks were not kept", active.job_id)
+            return
+        self.publish(active.model, active.prefix_keys)
+
+    def publish(self, loaded: LoadedModel, prefix_keys: list[bytes]) -> None:
+        """Point the routing entries of `prefix_keys`' `route_blocks` at this worker, and
+        the model's root at this worker's (one round trip; best effort: an entry Redis
+        refuses costs a later job only its reuse)."""
+        if self.connection is None:
+            return
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.hset(keys.PREFIX_ROOTS, loaded.name, self.root(loaded).hex())
+                for i in route_blocks(len(prefix_keys)):
+                    pipe.set(keys.prefix_route(prefix_keys[i]), self.worker, ex=ROUTE_TTL_S)
+                pipe.execute()
+        except Exception as e:
+            log.warning("prefix routing entries not written: %r", e)

@@ -158,3 +158,31 @@ def test_a_job_defers_only_to_a_live_capturer_and_a_gone_one_gives_way(tiny):
     assert blocks.capturing == dict.fromkeys(second[1], "b")
     blocks.release("b", second[1])
     assert blocks.capturing == {}
+
+
+def test_submit_routes_a_job_to_the_live_worker_that_keeps_its_prefix(setup, tiny):
+    from jobs import keys
+    from jobs.queues import rq_queue_key
+
+    w1, client = setup(name="w1", prefix_cache_bytes=BUDGET)
+    w2, _ = setup(name="w2", prefix_cache_bytes=BUDGET)
+    context = ids(200, 8)  # 6 whole blocks
+    client.submit(tokens=context + [300], model=MODEL)
+    w1.work(burst=True)
+    assert client.redis.hget(keys.PREFIX_ROOTS, MODEL) == w1.prefixes.root(tiny).hex().encode()
+    w1.register_models()  # alive again: a burst's end deregisters the worker
+    later = client.submit(tokens=context[:150] + ids(30, 9)[1:], model=MODEL, logits="full")
+    assert client.redis.llen(rq_queue_key(keys.own_queue("w1"))) == 1  # routed, not intake
+    w2.work(burst=True)  # its queues hold nothing
+    assert client.status(later).state == JobState.QUEUED
+    w1.work(burst=True)
+    status = client.status(later)
+    assert (status.state, status.reuse, status.cached_tokens) == (JobState.FINISHED, "prefix", 128)
+    _assert_cold_logits(_full_logits(client, later), tiny, context[:150] + ids(30, 9)[1:])
+    # text prompts, other prefixes and a holder that is gone go to intake
+    client.redis.delete(keys.worker_heartbeat("w1"))
+    gone = client.submit(tokens=context + [301], model=MODEL)
+    other = client.submit(tokens=ids(200, 10), model=MODEL)
+    assert client.redis.llen(rq_queue_key(keys.own_queue("w1"))) == 0
+    w2.work(burst=True)
+    assert [client.status(j).reuse for j in (gone, other)] == ["cold", "cold"]
