@@ -97,6 +97,12 @@ def models() -> Plan:
 def model(name: str) -> Plan:
     """`name`'s registration (`ModelInfo`). Raises UnknownModel: none, or undecodable."""
     (blob,) = yield reads(("hget", keys.MODELS, name_of("model", name)))
+    return (yield from _registered(name, blob))
+
+
+def _registered(name: str, blob: bytes | None) -> Plan:
+    """Model `name`'s registration from its ``keys.MODELS`` entry `blob` (None: none, then
+    UnknownModel with the registered names)."""
     if blob is None:
         raise protocol.unknown_model(name, (yield from models()))
     return protocol.model_info(name, blob)
@@ -111,9 +117,7 @@ def model_and_prefix_root(name: str) -> Plan:
     """
     blob, root = yield reads(("hget", keys.MODELS, name_of("model", name)),
                              ("hget", keys.PREFIX_ROOTS, name))
-    if blob is None:
-        raise protocol.unknown_model(name, (yield from models()))
-    return protocol.model_info(name, blob), root
+    return (yield from _registered(name, blob)), root
 
 
 def prefix_holder(token_ids: list[int] | None, root: bytes | None) -> Plan:

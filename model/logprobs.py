@@ -120,10 +120,7 @@ class PromptLogprobs:
         token, ids, values = (np.array(a) for a in outputs[:3])
         assert start == self.filled, f"chunk at {start} after results up to {self.filled}"
         rows = slice(start + 1, start + 1 + token.shape[0])
-        order = np.lexsort((ids, -values), axis=-1)  # logprob descending, then id
-        self.token_logprob[rows] = token
-        self.top_ids[rows] = np.take_along_axis(ids, order, axis=-1)
-        self.top_logprobs[rows] = np.take_along_axis(values, order, axis=-1)
+        self._store(rows, token, ids, values)
         self.filled = rows.stop - 1
         if len(outputs) > 3:
             first = -(-(start + 1) // self.block_tokens) - 1  # the first block ending here
@@ -150,14 +147,17 @@ class PromptLogprobs:
             self.token_logprob[rows] = token
             self.top_ids[rows], self.top_logprobs[rows] = ids[:, : self.k], values[:, : self.k]
         targets = [self.token_ids[(b + 1) * B] for b in range(m)]
-        token, ids, values = (np.array(a) for a in chunk_head(model, hidden[None], targets,
-                                                              self.k))
-        order = np.lexsort((ids, -values), axis=-1)
-        at = [(b + 1) * B for b in range(m)]
-        self.token_logprob[at] = token
-        self.top_ids[at] = np.take_along_axis(ids, order, axis=-1)
-        self.top_logprobs[at] = np.take_along_axis(values, order, axis=-1)
+        head = chunk_head(model, hidden[None], targets, self.k)
+        self._store([(b + 1) * B for b in range(m)], *(np.array(a) for a in head))
         self.filled = m * B
+
+    def _store(self, rows, token: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+        """Write evaluated `chunk_head` outputs at entries `rows` (a slice or indices), each
+        entry's top K ordered by logprob descending, then id."""
+        order = np.lexsort((ids, -values), axis=-1)
+        self.token_logprob[rows] = token
+        self.top_ids[rows] = np.take_along_axis(ids, order, axis=-1)
+        self.top_logprobs[rows] = np.take_along_axis(values, order, axis=-1)
 
     def finish(self, logits: np.ndarray) -> None:
         """Fill entry n from the final logits, float32 ``(vocab,)`` (`top_k`'s values)."""

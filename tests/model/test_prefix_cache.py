@@ -186,12 +186,18 @@ def test_a_prefill_starts_from_the_longest_held_prefix_and_equals_a_cold_one(tin
     assert int(got.argmax()) == int(ref.argmax())
 
 
-def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
-    ids = _ids(np.random.default_rng(12), 64, tiny.vocab_size)
+def _held(loaded, ids) -> tuple[PrefixCache, Prefill]:
+    """A prefix cache holding the blocks of `ids`, kept by a finished prefill (returned)."""
     prefixes = PrefixCache(1 << 30, BLOCK_TOKENS)
-    first, keys = _prefix_prefill(tiny, ids, prefixes)
+    first, keys = _prefix_prefill(loaded, ids, prefixes)
     first.run()
     prefixes.insert(keys, first.cache)
+    return prefixes, first
+
+
+def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
+    ids = _ids(np.random.default_rng(12), 64, tiny.vocab_size)
+    prefixes, _ = _held(tiny, ids)
     again, keys = _prefix_prefill(tiny, ids, prefixes)
     assert (again.cached_tokens, again.n_tokens - again.cursor, keys) == (32, 32, [])
     assert not again.keep_cache  # nothing to insert: its last chunk need not write its rows
@@ -201,10 +207,7 @@ def test_a_prompt_held_whole_runs_its_last_block_and_captures_nothing(tiny):
 
 def test_blocks_without_logprobs_salts_or_a_small_budget_share_nothing(tiny):
     ids = _ids(np.random.default_rng(13), 80, tiny.vocab_size)
-    prefixes = PrefixCache(1 << 30, BLOCK_TOKENS)
-    first, keys = _prefix_prefill(tiny, ids, prefixes)
-    first.run()
-    prefixes.insert(keys, first.cache)
+    prefixes, first = _held(tiny, ids)
     logprobs, keys = _prefix_prefill(tiny, ids, prefixes, prompt_logprobs=2)
     assert (logprobs.reuse, logprobs.cached_tokens, len(keys)) == ("cold", 0, 2)
     logprobs.run()  # its blocks, held without logprobs, get them
