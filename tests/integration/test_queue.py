@@ -58,13 +58,20 @@ class Watcher(threading.Thread):
             for status in self.client.watch(self.job_id, timeout=600):
                 self.statuses.append(status)
                 if not status.state.is_terminal:
-                    # the result must be absent until `finished`
-                    self.early_results.append(
-                        self.client.redis.hget(keys.job(self.job_id), "result") is not None
-                        or self.client.redis.exists(keys.logits(self.job_id)) == 1
-                    )
+                    self.early_results.append(self.result_before_finished())
         except Exception as e:  # surfaced by the test
             self.error = e
+
+    def result_before_finished(self) -> bool:
+        """Whether the job's state, result and logits, read in one MULTI (one instant), show
+        a result or logits while the state is not yet terminal. Reading them apart races a
+        publish that lands between the reads."""
+        with self.client.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(keys.job(self.job_id), "state")
+            pipe.hget(keys.job(self.job_id), "result")
+            pipe.exists(keys.logits(self.job_id))
+            state, result, logits = pipe.execute()
+        return not JobState(state.decode()).is_terminal and (result is not None or logits == 1)
 
 
 def test_two_long_prompts_interleave_and_match_in_process(
