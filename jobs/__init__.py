@@ -28,17 +28,15 @@ from .errors import (
     UnknownModel,
 )
 from .limits import Limits
-from .result import PrefillResult, TopLogit
+from .result import ContinuationResult, PrefillResult, TopLogit
 from .schema import JobState, JobStatus, LogitsMode
 from .tokenizer import ServedTokenizer
 
 __all__ = [
     "AsyncPrefillClient",
+    "ContinuationResult",
     "CorruptJob",
     "EmptyPrompt",
-    "Limits",
-    "PromptTooLarge",
-    "PromptTooLong",
     "InvalidRequest",
     "JobCanceled",
     "JobFailed",
@@ -46,10 +44,13 @@ __all__ = [
     "JobState",
     "JobStatus",
     "JobTimeout",
+    "Limits",
     "LogitsMode",
     "PrefillClient",
     "PrefillQError",
     "PrefillResult",
+    "PromptTooLarge",
+    "PromptTooLong",
     "QueueFull",
     "ServedTokenizer",
     "TokenizerMalformed",

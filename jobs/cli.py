@@ -28,7 +28,7 @@ SAMPLE_PROMPT = "The capital of France is"
 # The `SubmitRequest` fields ``prefillq submit`` takes as flags, beside the prompt's source
 # (`prompt_input`); each flag defaults to the field's default.
 SUBMIT_FLAGS = ("model", "top_k", "logits", "session", "priority", "chunk_tokens",
-                "prompt_logprobs")
+                "prompt_logprobs", "continuations")
 SUBMIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SubmitRequest)}
 
 
@@ -175,6 +175,9 @@ def print_result(record: dict, as_json: bool) -> None:
     for rank, t in enumerate(record.get("top_k", []), 1):
         print(f"{rank:>3}  {t['id']:>7}  logit {t['logit']:8.3f}  logprob {t['logprob']:8.3f}  "
               f"{t['piece']!r}")
+    for i, c in enumerate(record.get("continuations") or []):
+        print(f"continuation {i}: logprob {c['logprob']:.4f} over {len(c['tokens'])} tokens, "
+              + ("greedy" if c["is_greedy"] else "not greedy"))
 
 
 def finish(client: PrefillClient, job_id: str, as_json: bool) -> int:
@@ -266,6 +269,9 @@ def add_submit(sub) -> None:
     submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
     submit.add_argument("--prompt-logprobs", type=int, metavar="K",
                         help="per-position logprob and top K of the prompt (result --json)")
+    submit.add_argument("--continuation", action="append", dest="continuations",
+                        metavar="TEXT", help="score TEXT after the prompt: its summed "
+                        "logprob and whether it is greedy (repeat for each choice)")
     submit.set_defaults(func=cmd_submit)
 
 

@@ -18,8 +18,9 @@ from typing import Any
 from . import keys, prefixes, protocol, scripts, stats
 from .limits import Limits
 from .queues import intake_levels, new_admission, rq_queue_key
-from .requests import ModelInfo, SubmitRequest, check_against_model, name_of
+from .requests import ModelInfo, SubmitRequest, check_against_model
 from .schema import JobStatus, now
+from .values import name_of
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,11 @@ DEFAULT_MAX_PROMPT_BYTES = 8 * 1024 * 1024
 # Per-position top-K of prompt_logprobs costs 8 bytes per prompt token per K in Redis
 # (32K tokens at K=20: 5 MiB); vLLM's max_logprobs defaults to 20 too.
 DEFAULT_MAX_PROMPT_LOGPROBS = 20
+# Continuations of one context (`submit(continuations=...)`): lm-eval's multiple-choice tasks
+# have 2-10 choices and a classifier a few labels; 256 is room for a label set. Their tokens
+# together, scored in the step the context finishes: 8,192 is 4 chunks of the default size.
+DEFAULT_MAX_CONTINUATIONS = 256
+DEFAULT_MAX_CONTINUATION_TOKENS = 8192
 # `submit` raises QueueFull past this many queued jobs per model (all priorities).
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .defaults import DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_LOGPROBS, MAX_TOP_K
+from .defaults import (
+    DEFAULT_MAX_CONTINUATION_TOKENS,
+    DEFAULT_MAX_CONTINUATIONS,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROBS,
+    MAX_TOP_K,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,9 @@ class Limits:
             submit, text after the worker tokenizes it.
         max_top_k: largest ``top_k`` (default 1000; `InvalidRequest` above).
         max_prompt_logprobs: largest ``prompt_logprobs`` K (default 20; `InvalidRequest`).
+        max_continuations: most ``continuations`` of one job (default 256; `InvalidRequest`).
+        max_continuation_tokens: their tokens together (default 8,192): ids at submit, text
+            after the worker tokenizes it; over it: `PromptTooLong`.
 
     Raises:
         ValueError: a limit that is not a positive integer (``max_top_k`` and
@@ -35,10 +44,13 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_top_k: int = MAX_TOP_K
     max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
+    max_continuations: int = DEFAULT_MAX_CONTINUATIONS
+    max_continuation_tokens: int = DEFAULT_MAX_CONTINUATION_TOKENS
 
     def __post_init__(self) -> None:
         lowest = {"max_prompt_bytes": 1, "max_prompt_tokens": 1, "max_top_k": 0,
-                  "max_prompt_logprobs": 0}
+                  "max_prompt_logprobs": 0, "max_continuations": 1,
+                  "max_continuation_tokens": 1}
         for name, low in lowest.items():
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":

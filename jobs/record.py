@@ -47,6 +47,8 @@ class JobRecord:
     chunk_tokens: int | None = None
     session: str | None = None
     prompt_logprobs: int | None = None  # K: per-position logprobs and top K (None: off)
+    # scored from the end of the prompt: token-id lists after `tokens`, strings after `prompt`
+    continuations: list[str | list[int]] | None = None
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     enqueued_at: float | None = None
@@ -176,6 +178,15 @@ def _messages(blob: bytes) -> list[dict]:
     return messages
 
 
+def _continuations(blob: bytes) -> list:
+    continuations = unpackb(blob)
+    if not isinstance(continuations, list) or not all(
+            isinstance(c, str) or (isinstance(c, list) and all(type(t) is int for t in c))
+            for c in continuations):
+        raise ValueError("continuations is not a msgpack list of strings or integer lists")
+    return continuations
+
+
 # Python type of a field (as annotated) -> (encode for HSET, decode from the reply)
 _BY_TYPE = {
     "str": (str, _text),
@@ -186,6 +197,7 @@ _BY_TYPE = {
     "LogitsMode": (lambda m: m.value, lambda b: LogitsMode(b.decode())),
     "list[int]": (packb, _ids),
     "list[dict]": (packb, _messages),
+    "list[str | list[int]]": (packb, _continuations),
     "bytes": (bytes, bytes),
 }
 

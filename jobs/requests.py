@@ -1,36 +1,28 @@
 """Validation of a submitted prefill, shared by every client and by the worker.
 
 Every error is an `InvalidRequest` (or a subclass) whose message starts with the offending
-field's name. Integers are real ``int``s (numpy integer scalars too, through ``__index__``):
-a bool, a float or a numeric string is refused, never rounded or parsed.
+field's name; the checks of one value are `jobs.values`', of continuations
+`jobs.continuations`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import (
-    DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_MODEL,
-    DEFAULT_TOP_K,
-    MAX_ATTEMPTS,
-    MAX_NAME_BYTES,
-    MAX_PRIORITY,
-)
+from .continuations import check_continuations_against_model, checked_continuations
+from .defaults import DEFAULT_MAX_ATTEMPTS, DEFAULT_MODEL, DEFAULT_TOP_K, MAX_ATTEMPTS, MAX_PRIORITY
 from .errors import EmptyPrompt, InvalidRequest, PromptTooLarge, PromptTooLong, TokenOutOfRange
 from .limits import Limits
 from .record import JobRecord
 from .schema import LogitsMode
+from .values import flag, int_in, name_of, shown, token_list, utf8_size
 
 DEFAULT_LIMITS = Limits()
 # chunk_tokens beyond this exceed every context (and stay a 32-bit integer everywhere)
 MAX_CHUNK_TOKENS = 2**31 - 1
-# a bad value is quoted in the error at most this long (it may be a 10 MB string)
-_SHOWN_CHARS = 60
 
 
 @dataclass(frozen=True)
@@ -108,78 +100,6 @@ def check_messages(messages: Any, max_bytes: int | None = None) -> list[dict[str
     return out
 
 
-def utf8_size(name: str, text: str) -> int:
-    """Bytes of `text` in UTF-8. Raises InvalidRequest naming `name` on a lone surrogate."""
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{name} is not valid text: {text[e.start]!r} at index {e.start} "
-                             "is a lone surrogate, which UTF-8 cannot encode") from e
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
-
-
-def integer(name: str, value: Any) -> int:
-    """`value` as an int if it is one (or a numpy integer). Raises InvalidRequest naming
-    `name` for anything else: a bool, a float (never truncated), a string."""
-    if type(value) is int:
-        return value
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__} "
-                         f"{_shown(value)}")
-
-
-def int_in(name: str, value: Any, low: int, high: int) -> int:
-    """`integer` within ``[low, high]``. Raises InvalidRequest naming `name`."""
-    value = integer(name, value)
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def flag(name: str, value: Any) -> bool:
-    """`value` if it is True or False. Raises InvalidRequest naming `name`."""
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be True or False, got {_shown(value)}")
-    return value
-
-
-def name_of(field: str, value: Any, optional: bool = False) -> str | None:
-    """`value` if it is a non-empty string of at most ``MAX_NAME_BYTES`` UTF-8 bytes (or
-    None, when `optional`). Raises InvalidRequest naming `field`."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"{field} must be a non-empty string, got {_shown(value)}")
-    if utf8_size(field, value) > MAX_NAME_BYTES:
-        raise InvalidRequest(f"{field} is over {MAX_NAME_BYTES} bytes")
-    return value
-
-
-def token_list(tokens: Any) -> list[int]:
-    """`tokens` as a new list of ints: a list, tuple or range of integers, or an integer
-    array (numpy, ``array.array``: through ``.tolist()``). Raises InvalidRequest naming
-    ``tokens`` or the offending ``tokens[i]`` (a bool, a float, a string)."""
-    if not isinstance(tokens, (list, tuple, range)) and hasattr(tokens, "tolist") and \
-            not isinstance(tokens, (str, bytes, Mapping)):
-        tokens = tokens.tolist()
-    if not isinstance(tokens, (list, tuple, range)):
-        raise InvalidRequest(f"tokens must be a list of integer token ids, got "
-                             f"{type(tokens).__name__}")
-    if len(tokens) == 0:
-        raise InvalidRequest("tokens is empty")
-    if all(type(t) is int for t in tokens):
-        return list(tokens)
-    return [integer(f"tokens[{i}]", t) for i, t in enumerate(tokens)]
-
-
 def prompt_text(prompt: Any, limits: Limits) -> str:
     """`prompt` if it is non-blank text within ``limits.max_prompt_bytes``.
 
@@ -221,7 +141,7 @@ def _logits_mode(logits: Any) -> LogitsMode:
     try:
         return LogitsMode(logits)
     except (ValueError, TypeError) as e:
-        raise InvalidRequest(f"logits must be none, top_k or full, got {_shown(logits)}") from e
+        raise InvalidRequest(f"logits must be none, top_k or full, got {shown(logits)}") from e
 
 
 def _prompt_logprobs(k: Any, session: str | None, limits: Limits) -> int | None:
@@ -257,6 +177,7 @@ class SubmitRequest:
     session: str | None = None
     priority: int = 0
     prompt_logprobs: int | None = None
+    continuations: Sequence[str] | Sequence[Sequence[int]] | None = None
     chunk_tokens: int | None = None
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -277,13 +198,18 @@ class SubmitRequest:
                 top_k outside [0, limits.max_top_k]; logits not none/top_k/full; priority
                 outside [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts
                 outside [1, MAX_ATTEMPTS]; prompt_logprobs outside [0,
-                limits.max_prompt_logprobs] or with a session.
-            PromptTooLarge: the prompt's (or messages') UTF-8 bytes exceed
-                ``limits.max_prompt_bytes``.
+                limits.max_prompt_logprobs] or with a session; continuations that are not
+                1 to ``limits.max_continuations`` token-id lists after ``tokens`` or
+                non-empty strings after ``prompt``, or come with messages or a session.
+            PromptTooLarge: the prompt's (or messages') UTF-8 bytes, the continuations'
+                included, exceed ``limits.max_prompt_bytes``.
+            PromptTooLong: continuation ids over ``limits.max_continuation_tokens``.
         """
         session = name_of("session", self.session, optional=True)
+        inputs = _inputs(self.prompt, self.tokens, self.messages, limits)
         return SubmitRequest(
-            **_inputs(self.prompt, self.tokens, self.messages, limits),
+            **inputs,
+            continuations=checked_continuations(self.continuations, inputs, session, limits),
             model=name_of("model", self.model),
             add_generation_prompt=flag("add_generation_prompt", self.add_generation_prompt),
             top_k=int_in("top_k", self.top_k, 0, limits.max_top_k),
@@ -346,7 +272,12 @@ def check_against_model(record: JobRecord, info: ModelInfo,
     the smaller of its context and ``limits.max_prompt_tokens``.
 
     Raises:
-        TokenOutOfRange, PromptTooLong: as `check_token_ids`.
+        TokenOutOfRange, PromptTooLong: as `check_token_ids` and
+            `check_continuations_against_model`.
     """
     if record.tokens is not None:
-        check_token_ids(record.tokens, info.vocab_size, limits.prompt_tokens(info.context_length))
+        context = limits.prompt_tokens(info.context_length)
+        check_token_ids(record.tokens, info.vocab_size, context)
+        if record.continuations is not None:
+            check_continuations_against_model(record.tokens, record.continuations,
+                                              info.vocab_size, context)

@@ -26,6 +26,27 @@ class TopLogit:
 
 
 @dataclass
+class ContinuationResult:
+    """One continuation's score given the prompt (``submit(continuations=...)``), as lm-eval's
+    log-likelihood requests need it.
+
+    Attributes:
+        tokens: its token ids (given, or its text's: docs/client.md says how text is split).
+        logprob: the sum of `token_logprobs` (natural log).
+        is_greedy: each token is the most likely one after what precedes it.
+        token_logprobs: ``log p(tokens[j] | prompt, tokens[:j])`` for each j.
+        top: with ``prompt_logprobs=K``, the K likeliest ids at each of its positions,
+            ``[[{"id": int, "logprob": float}, ...], ...]`` highest first; else empty lists.
+    """
+
+    tokens: list[int]
+    logprob: float
+    is_greedy: bool
+    token_logprobs: list[float]
+    top: list[list[dict]]
+
+
+@dataclass
 class PrefillResult:
     """What a finished job produced.
 
@@ -35,6 +56,8 @@ class PrefillResult:
         prompt_logprobs: with ``prompt_logprobs=K``, n_tokens + 1 entries
             ``{"token": int | None, "logprob": float | None, "top": [{"id": int,
             "logprob": float}, ...]}`` (`prompt_logprobs_of`); else None.
+        continuations: with ``continuations``, one `ContinuationResult` each, in order;
+            ``top_k``, ``logits`` and ``prompt_logprobs`` are the prompt's.
         timings: ``queue_wait_s``, ``prefill_s`` (first start to finish), ``compute_s``
             (forward passes only), ``tokens_per_s`` ((n_tokens - cached_tokens) / prefill_s:
             tokens prefilled, not reused from a session's slot).
@@ -50,6 +73,7 @@ class PrefillResult:
     model_sha256: str
     logits: array.array | None = field(default=None, repr=False)
     prompt_logprobs: list[dict] | None = field(default=None, repr=False)
+    continuations: list[ContinuationResult] | None = None
 
     @classmethod
     def from_blob(cls, job_id: str, blob: bytes, logits: bytes | None,
@@ -71,6 +95,8 @@ class PrefillResult:
             logits=values,
             prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs_of(
                 prompt_logprobs),
+            continuations=None if data.get("continuations") is None else [
+                ContinuationResult(**c) for c in data["continuations"]],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,12 +153,15 @@ def prompt_logprobs_of(blob: bytes) -> list[dict]:
 
 def result_blob(*, n_tokens: int, cached_tokens: int, reuse: str, chunks_done: int,
                 top_k: Iterable[TopLogit], timings: dict[str, float],
-                model_sha256: str) -> bytes:
+                model_sha256: str,
+                continuations: Iterable[ContinuationResult] | None = None) -> bytes:
     """The msgpack of a finished job's ``result`` field, which `PrefillResult.from_blob`
     decodes (the fields are `PrefillResult`'s)."""
     return packb({"n_tokens": n_tokens, "cached_tokens": cached_tokens, "reuse": reuse,
                   "chunks_done": chunks_done, "top_k": [asdict(t) for t in top_k],
-                  "timings": timings, "model_sha256": model_sha256})
+                  "timings": timings, "model_sha256": model_sha256,
+                  "continuations": None if continuations is None else [
+                      asdict(c) for c in continuations]})
 
 
 def logits_blob(logits: bytes) -> bytes:

@@ -22,8 +22,8 @@ import msgpack
 from tokentext.tokenizer import TokenizerBase
 
 from .errors import InvalidRequest, TokenizerMalformed, TokenizerUnavailable, TokenOutOfRange
-from .requests import utf8_size
 from .serializer import packb, unpackb
+from .values import utf8_size
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer

@@ -219,7 +219,8 @@ def token_bytes(cache: ModelCache) -> int:
 def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: PrefixCache,
                    keys: Sequence[bytes], *, vocab_size: int, context_length: int,
                    chunk_tokens: int | None = None, kv_dtype: mx.Dtype = mx.float32,
-                   prompt_logprobs: int | None = None) -> tuple[Prefill, list[bytes]]:
+                   prompt_logprobs: int | None = None, keep_cache: bool = False
+                   ) -> tuple[Prefill, list[bytes]]:
     """A prefill of `token_ids` that starts from the longest prefix `prefixes` holds, and the
     keys of the blocks to insert into it once the prefill is done (`PrefixCache.insert`).
 
@@ -239,6 +240,8 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
         keys: the key of each whole block of `token_ids` (``len(token_ids) //
             prefixes.block_tokens`` of them: `jobs.prefixes.block_keys`, whose root names
             the model file, this cache's layout and a salt).
+        keep_cache: the cache is read once the prefill is done (continuations are scored
+            from it), so the last chunk writes its rows even when no block is captured.
         The others: as `model.start.start_prefill`.
     Returns:
         the prefill, and `keys` when its blocks are to be inserted (else empty).
@@ -252,7 +255,8 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
                                                                    vocab_size)
     if not isinstance(cache, ModelCache):  # a compressed cache is not cut into blocks
         return Prefill(model=model, token_ids=ids, cache=cache, logprobs=logprobs, plan=(
-            plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens))), []
+            plan_chunks(len(ids), model.sliding_window, chunk_tokens=chunk_tokens)),
+                       keep_cache=keep_cache), []
     B = prefixes.block_tokens
     if len(keys) != len(ids) // B:
         raise ValueError(f"{len(keys)} keys for {len(ids) // B} whole blocks of {B} tokens")
@@ -269,5 +273,5 @@ def prefix_prefill(model: PrefillModel, token_ids: Sequence[int], prefixes: Pref
                        cursor=position)
     prefill = Prefill(model=model, token_ids=ids, plan=plan, cache=cache, logprobs=logprobs,
                       cached_tokens=position, reuse=PREFIX if position else "cold",
-                      keep_cache=capture)
+                      keep_cache=capture or keep_cache)
     return prefill, list(keys) if capture else []

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from jobs.result import TopLogit, prompt_logprobs_blob, result_blob
+from jobs.result import ContinuationResult, TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
+from model.continuations import ContinuationScore, score_continuations
 from model.logprobs import top_k
 from model.prefill import Prefill
 from model.registry import LoadedModel
@@ -36,6 +37,10 @@ class ActiveJob:
     # the keys of its prompt's blocks, kept in the worker's prefix cache once it finishes
     # (`worker.prefixes.PrefixBlocks`); empty: none are
     prefix_keys: list[bytes] = field(default_factory=list)
+    # its continuations' token ids, scored from its cache once the prompt is prefilled
+    # (`model.continuations`), and their scores then; None: it has none
+    continuations: list[list[int]] | None = None
+    scores: list[ContinuationScore] | None = None
 
 
 def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
@@ -60,7 +65,33 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
             "tokens_per_s": (p.n_tokens - p.cached_tokens) / prefill_s,
         },
         model_sha256=loaded.sha256,
+        continuations=None if active.scores is None else [
+            ContinuationResult(tokens=s.token_ids, logprob=s.logprob, is_greedy=s.is_greedy,
+                               token_logprobs=s.token_logprobs,
+                               top=[[{"id": i, "logprob": lp} for i, lp in zip(ids, lps,
+                                                                                strict=True)]
+                                    for ids, lps in zip(s.top_ids, s.top_logprobs,
+                                                        strict=True)])
+            for s in active.scores],
     )
+
+
+def score(active: ActiveJob, logits: np.ndarray, chunk_tokens: int | None) -> None:
+    """Score `active`'s continuations from its done prefill's cache into ``scores``
+    (`model.continuations.score_continuations`, with the job's ``prompt_logprobs`` K as
+    their top K, in passes of at most `chunk_tokens` tokens); nothing without any.
+
+    Args:
+        logits: float32 ``(vocab,)``, the prompt's final logits.
+    Raises:
+        whatever scoring raises (a forward pass's error); ``scores`` is left None then.
+    """
+    if active.continuations is None:
+        return
+    p = active.prefill
+    active.scores = score_continuations(
+        p, logits, active.continuations, k=0 if p.logprobs is None else p.logprobs.k,
+        vocab_size=active.model.vocab_size, chunk_tokens=chunk_tokens)
 
 
 def prompt_logprobs_of_prefill(prefill: Prefill) -> bytes:

@@ -52,12 +52,13 @@ class PrefixBlocks:
 
     def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,
                 chunk_tokens: int | None, prompt_logprobs: int | None,
-                live: Callable[[str], bool] = lambda job_id: False
+                live: Callable[[str], bool] = lambda job_id: False, keep_cache: bool = False
                 ) -> tuple[Prefill, list[bytes]] | None:
         """Job `job_id`'s first start on `loaded`: its prefill from the longest held prefix
         of `token_ids`, and the keys of its blocks to insert when it finishes (empty: none);
         or None to defer it, when a job for which `live` holds (resident, or starting with
-        it) will insert the block that would extend that prefix.
+        it) will insert the block that would extend that prefix. With `keep_cache`, the
+        last chunk writes its rows (continuations are scored from them).
 
         Raises:
             ValueError: as `model.prefix_cache.prefix_prefill` (a prompt the checks let
@@ -73,7 +74,7 @@ class PrefixBlocks:
         prefill, keys = prefix_prefill(
             loaded.model, token_ids, self.cache, keys, vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, chunk_tokens=chunk_tokens,
-            kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs)
+            kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs, keep_cache=keep_cache)
         for key in keys:  # an owner that is no longer live gives way
             if not live(self.capturing.get(key, job_id)):
                 self.capturing[key] = job_id

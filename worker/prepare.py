@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.continuations import check_continuation_tokens, check_continuations_against_model
 from jobs.errors import InvalidRequest
 from jobs.limits import Limits
 from jobs.record import JobRecord
@@ -54,6 +55,7 @@ class Prepared:
             finishes (`worker.prefixes.PrefixBlocks`); empty: none.
         deferred: the job waits (untouched, back at the head of its queue) for a live job
             that is prefilling the block its prompt would reuse next.
+        continuations: the job's continuations as token ids (`continuation_ids`), or None.
     """
 
     prefill: Prefill | None
@@ -62,6 +64,7 @@ class Prepared:
     checkpoints: JobCheckpoints | None = None  # a resumed job's checkpoint state
     prefix_keys: list[bytes] = field(default_factory=list)
     deferred: bool = False
+    continuations: list[list[int]] | None = None
 
 
 def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
@@ -93,14 +96,27 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         check_record(record, limits)
         ids = token_ids(loaded, record)
         check_token_ids(ids, loaded.vocab_size, limits.prompt_tokens(loaded.context_length))
+        continuations = continuation_ids(loaded, record, ids, limits)
     except INPUT_ERRORS as e:
         return Prepared(None, (type(e).__name__, str(e)))
+    prepared = _prepare(loaded, record, ids, chunk_tokens, sessions, checkpointing,
+                        prefixes, live, keep_cache=continuations is not None)
+    prepared.continuations = continuations
+    return prepared
+
+
+def _prepare(loaded: LoadedModel, record: JobRecord, ids: list[int], chunk_tokens: int | None,
+             sessions: SessionSlots | None, checkpointing: Checkpointing | None,
+             prefixes: PrefixBlocks | None, live: Callable[[str], bool], *,
+             keep_cache: bool) -> Prepared:
+    """`prepare`'s prefill of the checked `ids`; `keep_cache`: its last chunk writes its
+    rows (a job with continuations scores them from its cache)."""
     caps = [c for c in (chunk_tokens, record.chunk_tokens) if c is not None]
     cap = min(caps) if caps else None
     if record.session and sessions is not None and sessions.max_slots > 0:
         return _session_prefill(loaded, record, ids, cap, sessions)
     if prefixes is not None and record.chunk_plan is None:  # a later attempt keeps its plan
-        return _prefix_prefill(loaded, record, ids, cap, prefixes, live)
+        return _prefix_prefill(loaded, record, ids, cap, prefixes, live, keep_cache)
     try:
         plan = recorded_plan(record, len(ids)) or plan_chunks(
             len(ids), loaded.sliding_window, chunk_tokens=cap)
@@ -111,10 +127,11 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
         if resumed is not None:
             return Prepared(resumed[0], checkpoints=resumed[1])
     try:
-        # no session keeps the cache: the last chunk need not write its rows
+        # no session keeps the cache: the last chunk need not write its rows, unless
+        # continuations are scored from it
         return Prepared(loaded.start_prefill(ids, plan=plan,
                                              prompt_logprobs=record.prompt_logprobs,
-                                             keep_cache=False))
+                                             keep_cache=keep_cache))
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
@@ -122,10 +139,11 @@ def prepare(loaded: LoadedModel, record: JobRecord, *, chunk_tokens: int | None,
 
 def _prefix_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
                     chunk_tokens: int | None, prefixes: PrefixBlocks,
-                    live: Callable[[str], bool]) -> Prepared:
+                    live: Callable[[str], bool], keep_cache: bool) -> Prepared:
     try:
         started = prefixes.prefill(loaded, ids, job_id=record.job_id, chunk_tokens=chunk_tokens,
-                                   prompt_logprobs=record.prompt_logprobs, live=live)
+                                   prompt_logprobs=record.prompt_logprobs, live=live,
+                                   keep_cache=keep_cache)
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))
@@ -159,6 +177,32 @@ def recorded_plan(record: JobRecord, n_tokens: int) -> ChunkPlan | None:
     if record.chunk_plan is None:
         return None
     return ChunkPlan.from_boundaries(n_tokens, record.chunk_plan)
+
+
+def continuation_ids(loaded: LoadedModel, record: JobRecord, ids: list[int],
+                     limits: Limits) -> list[list[int]] | None:
+    """The job's continuations as token ids, checked, or None without any: given ids as
+    they are; a text continuation as lm-eval splits a (context, continuation) pair
+    (``_encode_pair``): the ids of prompt + continuation after the prompt's own `ids`.
+
+    Raises:
+        InvalidRequest: a continuation with no tokens of its own.
+        PromptTooLong, TokenOutOfRange: as `jobs.continuations`' checks against `limits`
+            and the model.
+        TokenizerError: the text cannot be tokenized.
+    """
+    if record.continuations is None:
+        return None
+    if record.tokens is not None:
+        out = record.continuations
+    else:
+        out = [loaded.tokenizer.encode((record.prompt or "") + text,
+                                       parse_special=record.parse_special)[len(ids):]
+               for text in record.continuations]
+    check_continuation_tokens(out, limits)
+    check_continuations_against_model(ids, out, loaded.vocab_size,
+                                      limits.prompt_tokens(loaded.context_length))
+    return out
 
 
 def token_ids(loaded: LoadedModel, record: JobRecord) -> list[int]:

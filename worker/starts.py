@@ -156,6 +156,7 @@ class Starts:
             slot=prepared.slot,
             checkpoints=prepared.checkpoints,
             prefix_keys=prepared.prefix_keys,
+            continuations=prepared.continuations,
         )
         if self.faults is not None:
             self.faults.install(active)

@@ -16,7 +16,7 @@ from jobs.scripts import Fence, Scripts
 from model.prefill import Prefill
 from model.registry import LoadedModel
 
-from .active import ActiveJob, prompt_logprobs_of_prefill, result_of
+from .active import ActiveJob, prompt_logprobs_of_prefill, result_of, score
 from .checkpoints.checkpointing import Checkpointing
 from .connection import refused_write
 from .faults import FaultPlan
@@ -104,6 +104,17 @@ class Stepper(Starts):
             reply = self.publish(done, Probe(queue_keys=self.scheduler.queue_keys()))
             self.scheduler.saw_intake(reply.intake_waiting)
 
+    def score(self, done: list[ActiveJob], logits: dict[str, np.ndarray]) -> None:
+        """Score the continuations of the `done` jobs that have them (`worker.active.score`);
+        a job whose scoring raises is handed back as a failed chunk's is (`chunk_failed`)
+        and leaves `logits`."""
+        for active in done:
+            try:
+                score(active, logits[active.job_id], self.chunk_tokens)
+            except Exception as error:  # the job's boundary: record it, keep serving
+                del logits[active.job_id]
+                self._guarded(active.job_id, self.chunk_failed, active, error)
+
     def run(self, step: Step) -> None:
         """Run one chunk of each job of `step` (the scheduler's `Run`), pipelined as
         ``Prefill.run`` is: the step's chunks are launched (one packed forward pass where
@@ -120,6 +131,8 @@ class Stepper(Starts):
         done = [active for active, _ in landed if active.prefill.done]
         logits = dict(zip([a.job_id for a in done],
                           Prefill.logits_of([a.prefill for a in done]), strict=True))
+        self.score(done, logits)
+        landed = [(active, n) for active, n in landed if active.job_id in self.active]
         for active, _ in landed:
             if not active.prefill.done:
                 for hook in self.hooks:
@@ -234,8 +247,10 @@ class Stepper(Starts):
     def publish(self, jobs: list[ActiveJob], probe: Probe | None = None) -> Reply:
         """Publish the final logits and ``finished`` of `jobs`, whose prefills are done
         (`record`)."""
-        logits = Prefill.logits_of([a.prefill for a in jobs])
-        return self.record(jobs, probe, dict(zip([a.job_id for a in jobs], logits, strict=True)))
+        logits = dict(zip([a.job_id for a in jobs], Prefill.logits_of([a.prefill for a in jobs]),
+                          strict=True))
+        self.score(jobs, logits)
+        return self.record([a for a in jobs if a.job_id in logits], probe, logits)
 
     def _progress_call(self, active: ActiveJob):
         p = active.prefill

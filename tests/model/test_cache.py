@@ -12,7 +12,8 @@ import pytest
 
 from model.cache import CachePoisoned, ContextExhausted
 from model.cache_plan import LayerSpec, plan_cache
-from model.kv_cache import CAPACITY_STEP_TOKENS, GlobalKVCache, ModelCache, RingKVCache
+from model.kv_cache import ModelCache
+from model.layer_cache import CAPACITY_STEP_TOKENS, GlobalKVCache, RingKVCache
 
 W = 8  # test window
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 16  # grouped-query: 2 query heads per KV head

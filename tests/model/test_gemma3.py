@@ -15,7 +15,7 @@ import pytest
 
 from model.cache import CachePoisoned
 from model.cache_plan import LayerSpec, plan_cache
-from model.kv_cache import GlobalKVCache
+from model.layer_cache import GlobalKVCache
 from model.planner import DEFAULT_CHUNK_TOKENS
 from model.start import start_prefill
 

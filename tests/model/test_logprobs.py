@@ -14,12 +14,14 @@ K = 5
 
 
 def one_pass(loaded, ids: list[int]) -> np.ndarray:
-    """float32 ``(n, vocab)`` log-softmax of the head on every position of one forward."""
+    """``(n, vocab)`` log-softmax of the head on every position of one forward, in float64
+    (MLX's float32 logsumexp over Gemma 3's 262,144 logits is 2.9e-4 off: `model.logprobs`)."""
     model = loaded.model
     cache = model.make_cache(loaded.dtype, capacity=len(ids), context_length=len(ids))
     every = model(mx.array(ids, dtype=mx.int32)[None], cache, every_position=True)
-    logits = model.logits(every[0]).astype(mx.float32)
-    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    logits = np.array(model.logits(every[0]).astype(mx.float32)).astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    return logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
 
 
 def check(loaded, ids, chunk_tokens, bound) -> float:
@@ -59,7 +61,7 @@ def test_tiny_gemma3_chunked_logprobs_equal_one_pass(tiny, chunk_tokens):
 @pytest.mark.parametrize("chunk_tokens", [1, 7, None])
 def test_gemma3_270m_chunked_logprobs_equal_one_pass(gemma, chunk_tokens):
     ids = gemma.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
-    check(gemma, ids, chunk_tokens, 2e-6)  # measured <= 2.7e-7 (float32 on CPU)
+    check(gemma, ids, chunk_tokens, 2e-6)  # measured <= 3.3e-7 (float32 on CPU)
 
 
 def test_one_token_prompt_has_only_the_final_position(tiny):

@@ -11,6 +11,8 @@ from jobs.defaults import (
     DEFAULT_LOGITS_TTL_S,
     DEFAULT_MAX_ACTIVE,
     DEFAULT_MAX_BATCH_JOBS,
+    DEFAULT_MAX_CONTINUATION_TOKENS,
+    DEFAULT_MAX_CONTINUATIONS,
     DEFAULT_MAX_PROMPT_BYTES,
     DEFAULT_MAX_PROMPT_LOGPROBS,
     DEFAULT_MODEL,
@@ -57,7 +59,9 @@ def limits_of(args: argparse.Namespace) -> Limits:
     """The worker's `Limits` from its flags (its token limit is ``--context``: the serving
     context)."""
     return Limits(max_prompt_bytes=args.max_prompt_bytes, max_top_k=args.max_top_k,
-                  max_prompt_logprobs=args.max_prompt_logprobs)
+                  max_prompt_logprobs=args.max_prompt_logprobs,
+                  max_continuations=args.max_continuations,
+                  max_continuation_tokens=args.max_continuation_tokens)
 
 
 def checkpoint_every(text: str) -> str:
@@ -115,6 +119,13 @@ def add_worker(sub) -> None:
     worker.add_argument("--max-prompt-logprobs", type=non_negative_int, metavar="K",
                         default=DEFAULT_MAX_PROMPT_LOGPROBS,
                         help="fail jobs asking for more prompt_logprobs (default: %(default)s)")
+    worker.add_argument("--max-continuations", type=positive_int, metavar="N",
+                        default=DEFAULT_MAX_CONTINUATIONS,
+                        help="fail jobs with more continuations (default: %(default)s)")
+    worker.add_argument("--max-continuation-tokens", type=positive_int, metavar="T",
+                        default=DEFAULT_MAX_CONTINUATION_TOKENS,
+                        help="fail jobs whose continuations have more tokens together "
+                             "(default: %(default)s)")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     worker.add_argument("--result-ttl", dest="result_ttl_s", type=int,
                         default=DEFAULT_RESULT_TTL_S,

@@ -1,0 +1,135 @@
+"""`model.continuations`: each continuation scored from a fork of the context's cache gets the
+log-probabilities a cold prefill of context + continuation gives its positions, with the same
+top ids and greedy verdict, on every architecture: the tiny Gemma 3 (16-token window, so
+continuations cross windows), a tiny Llama-family model, DeepSeek-V4's compressed cache
+(forked through its state), Gemma 3 270M and SmolLM2-135M."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from model.continuations import score_continuations
+from model.registry import load_model
+
+# max |logprob diff| over the largest |logprob| compared, continuation against cold: the
+# forked rows are the context's own numbers, the continuation's chunk cuts the matmuls
+# elsewhere (the chunked-vs-one-pass bound of tests/model/test_prefix_cache.py)
+BOUND = 5e-6
+K = 3
+
+
+@pytest.fixture(scope="module", params=["gemma3-tiny", "qwen3-tiny", "deepseek4-tiny"])
+def tiny_model(request):
+    return load_model(request.param, dtype=mx.float32)
+
+
+def _ids(rng, n: int, vocab: int, bos: bool = True) -> list[int]:
+    body = [int(t) for t in rng.integers(3, vocab, n - bos)]
+    return [2, *body] if bos else body
+
+
+def _context(loaded, ids: list[int], chunk: int | None = None):
+    prefill = loaded.start_prefill(ids, chunk_tokens=chunk)
+    return prefill, prefill.run()
+
+
+def _cold(loaded, ids: list[int], n: int, k: int = K):
+    """Entries n.. of a cold prefill's prompt logprobs: (token logprobs, top ids)."""
+    prefill = loaded.start_prefill(ids, prompt_logprobs=k)
+    prefill.run()
+    lp = prefill.logprobs
+    return lp.token_logprob[n:len(ids)], lp.top_ids[n:len(ids)], lp.top_logprobs[n:len(ids)]
+
+
+def _check(loaded, context_ids, continuations, scores, k: int = K) -> float:
+    """Each score against the cold prefill of its whole prompt; the worst relative diff."""
+    worst = 0.0
+    n = len(context_ids)
+    for continuation, score in zip(continuations, scores, strict=True):
+        token, top_ids, top_lp = _cold(loaded, [*context_ids, *continuation], n, k)
+        assert score.token_ids == continuation
+        scale = float(np.abs(token).max())
+        diff = float(np.abs(np.array(score.token_logprobs) - token).max())
+        assert diff <= BOUND * scale, (diff, scale)
+        assert score.logprob == pytest.approx(float(token.astype(np.float64).sum()),
+                                              abs=BOUND * scale * len(token))
+        assert score.is_greedy == bool(np.array_equal(top_ids[:, 0], continuation))
+        assert np.array(score.top_ids).tolist() == top_ids[:, :k].tolist()
+        assert np.allclose(score.top_logprobs, top_lp[:, :k], atol=BOUND * scale)
+        worst = max(worst, diff / scale)
+    return worst
+
+
+@pytest.mark.parametrize("n, lengths, chunk", [
+    (9, [1, 3, 7], None),        # the context inside the first 16-token window
+    (40, [2, 20, 33], 7),        # continuations of several chunks, crossing windows
+    (64, [5, 1, 16, 17], 16),    # a context on a window edge
+])
+def test_each_continuation_scores_as_a_cold_prefill_of_its_whole_prompt(tiny_model, n,
+                                                                        lengths, chunk):
+    rng = np.random.default_rng(n)
+    context_ids = _ids(rng, n, tiny_model.vocab_size)
+    continuations = [_ids(rng, m, tiny_model.vocab_size, bos=False) for m in lengths]
+    context, logits = _context(tiny_model, context_ids)
+    scores = score_continuations(context, logits, continuations, k=K,
+                                 vocab_size=tiny_model.vocab_size, chunk_tokens=chunk)
+    _check(tiny_model, context_ids, continuations, scores)
+
+
+def test_a_greedy_continuation_is_recognized_and_a_changed_one_is_not(tiny):
+    rng = np.random.default_rng(7)
+    context_ids = _ids(rng, 30, tiny.vocab_size)
+    greedy = []  # the argmax continuation, token by token
+    for _ in range(4):
+        logits = tiny.start_prefill([*context_ids, *greedy]).run()
+        greedy.append(int(np.argmax(logits)))
+    other = [*greedy[:2], (greedy[2] + 1) % tiny.vocab_size, greedy[3]]
+    context, logits = _context(tiny, context_ids)
+    kept, changed = score_continuations(context, logits, [greedy, other],
+                                        vocab_size=tiny.vocab_size)
+    assert kept.is_greedy and not changed.is_greedy
+    assert kept.top_ids == [[], [], [], []]  # k = 0: no alternatives reported
+    assert kept.logprob > changed.logprob
+
+
+def test_the_context_cache_is_left_as_it_was(tiny):
+    rng = np.random.default_rng(3)
+    context_ids = _ids(rng, 50, tiny.vocab_size)
+    continuations = [_ids(rng, m, tiny.vocab_size, bos=False) for m in (12, 30)]
+    context, logits = _context(tiny, context_ids, chunk=16)
+    before = [np.array(a) for a in context.cache.arrays()]
+    first = score_continuations(context, logits, continuations, vocab_size=tiny.vocab_size)
+    assert context.cursor == 50
+    for a, b in zip(before, context.cache.arrays(), strict=True):
+        assert np.array_equal(a, np.array(b))
+    again = score_continuations(context, logits, continuations[::-1],
+                                vocab_size=tiny.vocab_size)
+    assert [s.token_logprobs for s in again[::-1]] == [s.token_logprobs for s in first]
+
+
+def test_continuations_need_a_done_context_that_kept_its_cache(tiny):
+    ids = _ids(np.random.default_rng(1), 20, tiny.vocab_size)
+    unkept = tiny.start_prefill(ids, keep_cache=False)
+    logits = unkept.run()
+    with pytest.raises(ValueError, match="kept its cache"):
+        score_continuations(unkept, logits, [[5, 6]], vocab_size=tiny.vocab_size)
+    context, logits = _context(tiny, ids)
+    with pytest.raises(ValueError, match=r"continuations\[1\] is empty"):
+        score_continuations(context, logits, [[5], []], vocab_size=tiny.vocab_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "smollm2-135m"])
+def test_real_models_score_continuations_as_cold_prefills(name):
+    loaded = load_model(name)
+    rng = np.random.default_rng(11)
+    # 600 tokens: past Gemma 3's 512-token window
+    context_ids = _ids(rng, 600, min(loaded.vocab_size, 30_000))
+    continuations = [_ids(rng, m, min(loaded.vocab_size, 30_000), bos=False)
+                     for m in (3, 12, 20, 1)]
+    context, logits = _context(loaded, context_ids, chunk=256)
+    scores = score_continuations(context, logits, continuations, k=K,
+                                 vocab_size=loaded.vocab_size)
+    _check(loaded, context_ids, continuations, scores)
