@@ -37,6 +37,8 @@ class ContinuationResult:
         token_logprobs: ``log p(tokens[j] | prompt, tokens[:j])`` for each j.
         top: with ``prompt_logprobs=K``, the K likeliest ids at each of its positions,
             ``[[{"id": int, "logprob": float}, ...], ...]`` highest first; else empty lists.
+        top_k: the job's ``top_k`` highest logits after the whole continuation (as the
+            job's own ``top_k`` is after the prompt): the token a generation would add.
     """
 
     tokens: list[int]
@@ -44,6 +46,12 @@ class ContinuationResult:
     is_greedy: bool
     token_logprobs: list[float]
     top: list[list[dict]]
+    top_k: list[TopLogit]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ContinuationResult:
+        """The inverse of ``asdict`` (`result_blob`'s encoding)."""
+        return cls(**{**data, "top_k": [TopLogit(**t) for t in data["top_k"]]})
 
 
 @dataclass
@@ -96,7 +104,7 @@ class PrefillResult:
             prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs_of(
                 prompt_logprobs),
             continuations=None if data.get("continuations") is None else [
-                ContinuationResult(**c) for c in data["continuations"]],
+                ContinuationResult.from_dict(c) for c in data["continuations"]],
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,8 +12,8 @@ recomputed), every continuation of a step in one packed forward pass where the m
 
 Continuation token j (``c_j``) is scored by the logits after ``context + c[:j]``: those of
 the context's last position for ``c_0`` (the context's final logits), and the head on the
-continuation's own positions for the others. The last continuation token is never run
-through the model: nothing is scored after it.
+continuation's own positions for the others; the head on its last position gives the
+logits after it (what a generation would add next).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import numpy as np
 
 from .cache import CommittedCache
 from .chunk import PrefillModel
-from .logprobs import PromptLogprobs
+from .logprobs import PromptLogprobs, TopToken
+from .logprobs import top_k as top
 from .planner import DEFAULT_CHUNK_TOKENS, plan_chunks
 from .prefill import Prefill
 
@@ -43,6 +44,8 @@ class ContinuationScore:
             logits, the lowest id).
         top_ids, top_logprobs: the `k` likeliest ids at each continuation position and their
             logprobs, highest first (``m`` lists of ``k``; empty lists for ``k = 0``).
+        top_k: the highest logits after the whole continuation (`model.logprobs.top_k` of
+            its final logits), highest first.
     """
 
     token_ids: list[int]
@@ -51,6 +54,7 @@ class ContinuationScore:
     is_greedy: bool
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    top_k: list[TopToken]
 
 
 def fork_cache(model: PrefillModel, cache: CommittedCache) -> CommittedCache:
@@ -67,15 +71,14 @@ def fork_cache(model: PrefillModel, cache: CommittedCache) -> CommittedCache:
 
 def score_continuations(context: Prefill, logits: np.ndarray,
                         continuations: Sequence[Sequence[int]], *, k: int = 0,
-                        vocab_size: int, chunk_tokens: int | None = None
+                        top_k: int = 0, vocab_size: int, chunk_tokens: int | None = None
                         ) -> list[ContinuationScore]:
     """Score each of `continuations` after `context`'s prompt.
 
-    Each continuation of ``m > 1`` tokens prefills its first ``m - 1`` from a fork of the
-    context's cache (`fork_cache`), in chunks of at most `chunk_tokens` (default the
-    planner's ``DEFAULT_CHUNK_TOKENS``); the continuations advance together, as many in one
-    packed forward pass (where the model packs) as fit `chunk_tokens` tokens. The context's
-    cache is left as it was.
+    Each continuation is prefilled from a fork of the context's cache (`fork_cache`), in
+    chunks of at most `chunk_tokens` (default the planner's ``DEFAULT_CHUNK_TOKENS``); the
+    continuations advance together, as many in one packed forward pass (where the model
+    packs) as fit `chunk_tokens` tokens. The context's cache is left as it was.
 
     Args:
         context: a done prefill whose cache holds every row of its prompt
@@ -84,6 +87,8 @@ def score_continuations(context: Prefill, logits: np.ndarray,
         continuations: token ids each (``m >= 1``, ids in ``[0, vocab_size)``); the context
             and each continuation together must fit the cache's context length.
         k: top alternatives reported per continuation position, ``0 <= k <= vocab_size``.
+        top_k: the highest logits after each whole continuation to report (`top_k` of its
+            final logits: the token a generation would add).
         vocab_size: the model's vocabulary size.
     Returns:
         one `ContinuationScore` each, in order.
@@ -103,22 +108,24 @@ def score_continuations(context: Prefill, logits: np.ndarray,
         ids = [int(t) for t in continuation]
         if not ids:
             raise ValueError(f"continuations[{i}] is empty")
-        logprobs = PromptLogprobs([*context.token_ids, *ids], max(k, 1), vocab_size)
+        prompt = [*context.token_ids, *ids]
+        logprobs = PromptLogprobs(prompt, max(k, 1), vocab_size)
         logprobs.start_at(n, logits)
         lanes.append(Prefill(
-            model=context.model, token_ids=[*context.token_ids, *ids[:-1]],
-            plan=plan_chunks(n + len(ids) - 1, context.model.sliding_window,
-                             chunk_tokens=chunk_tokens, cursor=n) if len(ids) > 1 else None,
-            cache=fork_cache(context.model, context.cache) if len(ids) > 1 else context.cache,
-            logprobs=logprobs, keep_cache=False, cached_tokens=n, reuse="context"))
-    pending = [lane for lane in lanes if not lane.done]
+            model=context.model, token_ids=prompt, logprobs=logprobs, keep_cache=False,
+            plan=plan_chunks(len(prompt), context.model.sliding_window,
+                             chunk_tokens=chunk_tokens, cursor=n),
+            cache=fork_cache(context.model, context.cache), cached_tokens=n))
+    pending = lanes
     while pending:
         for group in _passes(pending, chunk_tokens or DEFAULT_CHUNK_TOKENS):
             Prefill.launch_all(group)
             for lane in group:
                 lane.step()
         pending = [lane for lane in pending if not lane.done]
-    return [_score(lane.logprobs, n, k) for lane in lanes]
+    after = Prefill.logits_of(lanes)  # each whole continuation's final logits
+    return [_score(lane.logprobs, n, k, top(final, top_k))
+            for lane, final in zip(lanes, after, strict=True)]
 
 
 def _passes(lanes: list[Prefill], max_tokens: int) -> list[list[Prefill]]:
@@ -135,7 +142,8 @@ def _passes(lanes: list[Prefill], max_tokens: int) -> list[list[Prefill]]:
     return passes
 
 
-def _score(logprobs: PromptLogprobs, start: int, k: int) -> ContinuationScore:
+def _score(logprobs: PromptLogprobs, start: int, k: int, next_top: list[TopToken]
+           ) -> ContinuationScore:
     """The continuation entries ``[start, n)`` of `logprobs` (top 1 at least) as a score."""
     rows = slice(start, len(logprobs.token_ids))
     ids = logprobs.token_ids[rows]
@@ -144,4 +152,4 @@ def _score(logprobs: PromptLogprobs, start: int, k: int) -> ContinuationScore:
         token_ids=ids, token_logprobs=token, logprob=math.fsum(token),
         is_greedy=bool(np.array_equal(logprobs.top_ids[rows, 0], ids)),
         top_ids=logprobs.top_ids[rows, :k].tolist(),
-        top_logprobs=logprobs.top_logprobs[rows, :k].tolist())
+        top_logprobs=logprobs.top_logprobs[rows, :k].tolist(), top_k=next_top)

@@ -10,7 +10,7 @@ import numpy as np
 from jobs.result import ContinuationResult, TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
 from model.continuations import ContinuationScore, score_continuations
-from model.logprobs import top_k
+from model.logprobs import TopToken, top_k
 from model.prefill import Prefill
 from model.registry import LoadedModel
 
@@ -55,9 +55,7 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
     return result_blob(
         n_tokens=p.n_tokens, cached_tokens=p.cached_tokens, reuse=p.reuse,
         chunks_done=p.chunks_done,
-        top_k=[TopLogit(id=t.id, logit=t.logit, logprob=t.logprob,
-                        piece=loaded.tokenizer.piece(t.id))
-               for t in top_k(logits, active.top_k)],
+        top_k=top_logits(top_k(logits, active.top_k), loaded),
         timings={
             "queue_wait_s": active.first_started_at - active.enqueued_at,
             "prefill_s": prefill_s,
@@ -71,15 +69,23 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
                                top=[[{"id": i, "logprob": lp} for i, lp in zip(ids, lps,
                                                                                 strict=True)]
                                     for ids, lps in zip(s.top_ids, s.top_logprobs,
-                                                        strict=True)])
+                                                        strict=True)],
+                               top_k=top_logits(s.top_k, loaded))
             for s in active.scores],
     )
+
+
+def top_logits(top: list[TopToken], loaded: LoadedModel) -> list[TopLogit]:
+    """`top` as a result's `TopLogit`s, each with its token's text."""
+    return [TopLogit(id=t.id, logit=t.logit, logprob=t.logprob,
+                     piece=loaded.tokenizer.piece(t.id)) for t in top]
 
 
 def score(active: ActiveJob, logits: np.ndarray, chunk_tokens: int | None) -> None:
     """Score `active`'s continuations from its done prefill's cache into ``scores``
     (`model.continuations.score_continuations`, with the job's ``prompt_logprobs`` K as
-    their top K, in passes of at most `chunk_tokens` tokens); nothing without any.
+    their positions' top K and its ``top_k`` after each, in passes of at most
+    `chunk_tokens` tokens); nothing without any.
 
     Args:
         logits: float32 ``(vocab,)``, the prompt's final logits.
@@ -91,7 +97,7 @@ def score(active: ActiveJob, logits: np.ndarray, chunk_tokens: int | None) -> No
     p = active.prefill
     active.scores = score_continuations(
         p, logits, active.continuations, k=0 if p.logprobs is None else p.logprobs.k,
-        vocab_size=active.model.vocab_size, chunk_tokens=chunk_tokens)
+        top_k=active.top_k, vocab_size=active.model.vocab_size, chunk_tokens=chunk_tokens)
 
 
 def prompt_logprobs_of_prefill(prefill: Prefill) -> bytes:

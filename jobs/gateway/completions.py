@@ -27,6 +27,7 @@ from .body import documented, parsed
 from .deps import Client, ClientGone, require_api_key, unless_disconnected
 from .errors import error_response, failed_job_status
 from .liveness import require_live_worker
+from .shared import answers, batch_jobs
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,8 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post("/v1/completions", openapi_extra=documented(CompletionRequest))
 async def completions(req: Annotated[CompletionRequest, Depends(parsed(CompletionRequest))],
                       request: Request, client: Client) -> JSONResponse:
-    """Score a prompt or a batch; blocks until every job ends. A disconnect cancels them."""
+    """Score a prompt or a batch; blocks until every job ends. A disconnect cancels them.
+    Token-id prompts of a batch that share a prefix share one job (`jobs.gateway.shared`)."""
     check_request(req)
     inputs = prompt_inputs(req.prompt)
     await require_live_worker(request, req.model)
@@ -230,7 +232,8 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
     jobs = (with_bos(inputs, tokenizer.bos_id) if score_with_bos and tokenizer is not None
             else inputs)
     options = job_options(req)
-    submitted = await asyncio.gather(*(client.submit(**i, **options) for i in jobs),
+    batch = batch_jobs(jobs, client.limits)
+    submitted = await asyncio.gather(*(client.submit(**job.input, **options) for job in batch),
                                      return_exceptions=True)
     job_ids = [j for j in submitted if isinstance(j, str)]
     refused = next((e for e in submitted if isinstance(e, BaseException)), None)
@@ -250,5 +253,5 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
     except JobCanceled as e:
         await cancel_all(client, job_ids)
         return error_response(409, "JobCanceled", str(e))
-    scored = [Scored(i, r) for i, r in zip(inputs, results, strict=True)]
+    scored = [Scored(i, r) for i, r in zip(inputs, answers(batch, results), strict=True)]
     return JSONResponse(response(job_ids, req, scored, tokenizer))

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from model.continuations import score_continuations
+from model.logprobs import top_k
+from model.prefill import Prefill
 from model.registry import load_model
 
 # max |logprob diff| over the largest |logprob| compared, continuation against cold: the
@@ -36,19 +38,22 @@ def _context(loaded, ids: list[int], chunk: int | None = None):
 
 
 def _cold(loaded, ids: list[int], n: int, k: int = K):
-    """Entries n.. of a cold prefill's prompt logprobs: (token logprobs, top ids)."""
+    """Entries n.. of a cold prefill's prompt logprobs (token logprobs, top ids, top
+    logprobs), and its final logits."""
     prefill = loaded.start_prefill(ids, prompt_logprobs=k)
-    prefill.run()
+    logits = prefill.run()
     lp = prefill.logprobs
-    return lp.token_logprob[n:len(ids)], lp.top_ids[n:len(ids)], lp.top_logprobs[n:len(ids)]
+    rows = slice(n, len(ids))
+    return lp.token_logprob[rows], lp.top_ids[rows], lp.top_logprobs[rows], logits
 
 
-def _check(loaded, context_ids, continuations, scores, k: int = K) -> float:
+def _check(loaded, context_ids, continuations, scores, k: int = K, n_top: int = K) -> float:
     """Each score against the cold prefill of its whole prompt; the worst relative diff."""
     worst = 0.0
     n = len(context_ids)
     for continuation, score in zip(continuations, scores, strict=True):
-        token, top_ids, top_lp = _cold(loaded, [*context_ids, *continuation], n, k)
+        token, top_ids, top_lp, final = _cold(loaded, [*context_ids, *continuation], n,
+                                              max(k, 1))
         assert score.token_ids == continuation
         scale = float(np.abs(token).max())
         diff = float(np.abs(np.array(score.token_logprobs) - token).max())
@@ -58,6 +63,10 @@ def _check(loaded, context_ids, continuations, scores, k: int = K) -> float:
         assert score.is_greedy == bool(np.array_equal(top_ids[:, 0], continuation))
         assert np.array(score.top_ids).tolist() == top_ids[:, :k].tolist()
         assert np.allclose(score.top_logprobs, top_lp[:, :k], atol=BOUND * scale)
+        expected = top_k(final, n_top)  # what a generation would add after it
+        assert [t.id for t in score.top_k] == [t.id for t in expected]
+        assert np.allclose([t.logprob for t in score.top_k], [t.logprob for t in expected],
+                           atol=BOUND * scale)
         worst = max(worst, diff / scale)
     return worst
 
@@ -73,7 +82,7 @@ def test_each_continuation_scores_as_a_cold_prefill_of_its_whole_prompt(tiny_mod
     context_ids = _ids(rng, n, tiny_model.vocab_size)
     continuations = [_ids(rng, m, tiny_model.vocab_size, bos=False) for m in lengths]
     context, logits = _context(tiny_model, context_ids)
-    scores = score_continuations(context, logits, continuations, k=K,
+    scores = score_continuations(context, logits, continuations, k=K, top_k=K,
                                  vocab_size=tiny_model.vocab_size, chunk_tokens=chunk)
     _check(tiny_model, context_ids, continuations, scores)
 
@@ -90,7 +99,7 @@ def test_a_greedy_continuation_is_recognized_and_a_changed_one_is_not(tiny):
     kept, changed = score_continuations(context, logits, [greedy, other],
                                         vocab_size=tiny.vocab_size)
     assert kept.is_greedy and not changed.is_greedy
-    assert kept.top_ids == [[], [], [], []]  # k = 0: no alternatives reported
+    assert kept.top_ids == [[], [], [], []] and kept.top_k == []  # k = top_k = 0: none
     assert kept.logprob > changed.logprob
 
 
@@ -130,6 +139,28 @@ def test_real_models_score_continuations_as_cold_prefills(name):
     continuations = [_ids(rng, m, min(loaded.vocab_size, 30_000), bos=False)
                      for m in (3, 12, 20, 1)]
     context, logits = _context(loaded, context_ids, chunk=256)
-    scores = score_continuations(context, logits, continuations, k=K,
+    scores = score_continuations(context, logits, continuations, k=K, top_k=K,
                                  vocab_size=loaded.vocab_size)
     _check(loaded, context_ids, continuations, scores)
+
+
+def test_a_forward_pass_carries_at_most_a_chunk_of_continuation_tokens(tiny, monkeypatch):
+    rng = np.random.default_rng(5)
+    context_ids = _ids(rng, 30, tiny.vocab_size)
+    continuations = [_ids(rng, m, tiny.vocab_size, bos=False) for m in (5, 5, 5, 12)]
+    context, logits = _context(tiny, context_ids)
+    passes = []
+    launch_all = Prefill.launch_all
+
+    def counted(prefills, ahead=False):  # the real launch, its tokens counted
+        passes.append(sum(p.next_chunk_tokens for p in prefills))
+        launch_all(prefills, ahead)
+
+    monkeypatch.setattr(Prefill, "launch_all", staticmethod(counted))
+    scores = score_continuations(context, logits, continuations, vocab_size=tiny.vocab_size,
+                                 chunk_tokens=10)
+    # round 1: 5 + 5, then 5 (the 12-token one's first chunk of 10 does not fit beside it),
+    # then 10; round 2: its last 2
+    assert passes == [10, 5, 10, 2]
+    _check(tiny, context_ids, continuations, scores, k=0, n_top=0)
+

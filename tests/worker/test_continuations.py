@@ -11,6 +11,7 @@ import pytest
 
 from jobs import InvalidRequest, JobFailed, JobState, PromptTooLong, TokenOutOfRange
 from jobs.limits import Limits
+from model.logprobs import top_k
 
 from .helpers import MODEL, ids
 
@@ -20,16 +21,17 @@ BOUND = 5e-6
 
 
 def _cold(tiny, context: list[int], continuation: list[int], k: int = 2):
-    """Entries of the continuation's positions in a cold prefill's prompt logprobs."""
+    """Entries of the continuation's positions in a cold prefill's prompt logprobs, and
+    its final logits."""
     prefill = tiny.start_prefill([*context, *continuation], prompt_logprobs=k)
-    prefill.run()
+    logits = prefill.run()
     lp, n = prefill.logprobs, len(context)
     rows = slice(n, n + len(continuation))
-    return lp.token_logprob[rows], lp.top_ids[rows], lp.top_logprobs[rows]
+    return lp.token_logprob[rows], lp.top_ids[rows], lp.top_logprobs[rows], logits
 
 
 def _assert_scored_as_cold(tiny, context, continuation, scored, k: int = 0) -> None:
-    token, top_ids, top_lp = _cold(tiny, context, continuation, max(k, 1))
+    token, top_ids, top_lp, final = _cold(tiny, context, continuation, max(k, 1))
     scale = float(np.abs(token).max())
     assert scored.tokens == continuation
     assert float(np.abs(np.array(scored.token_logprobs) - token).max()) <= BOUND * scale
@@ -39,6 +41,9 @@ def _assert_scored_as_cold(tiny, context, continuation, scored, k: int = 0) -> N
     assert [[t["id"] for t in row] for row in scored.top] == top_ids[:, :k].tolist()
     for row, values in zip(scored.top, top_lp[:, :k], strict=True):
         assert np.allclose([t["logprob"] for t in row], values, atol=BOUND * scale)
+    expected = top_k(final, len(scored.top_k))  # the job's top_k after the continuation
+    assert [t.id for t in scored.top_k] == [t.id for t in expected]
+    assert [t.piece for t in scored.top_k] == [tiny.tokenizer.piece(t.id) for t in expected]
 
 
 def test_each_continuation_is_scored_from_the_end_of_the_prompt_beside_other_jobs(setup, tiny):
@@ -55,6 +60,7 @@ def test_each_continuation_is_scored_from_the_end_of_the_prompt_beside_other_job
     ref = tiny.start_prefill(context).run()
     assert [t.id for t in result.top_k] == [int(i) for i in np.argsort(-ref)[:3]]
     assert len(result.continuations) == 3
+    assert all(len(c.top_k) == 3 for c in result.continuations)
     for continuation, scored in zip(continuations, result.continuations, strict=True):
         _assert_scored_as_cold(tiny, context, continuation, scored)
     assert client.result(other, timeout=0).continuations is None
