@@ -121,13 +121,16 @@ def model_and_prefix_root(name: str) -> Plan:
     return (yield from _registered(name, blob)), root
 
 
-def prefix_holder(token_ids: list[int] | None, root: bytes | None) -> Plan:
+def prefix_holder(token_ids: list[int] | None, root: bytes | None,
+                  salt: str | None = None) -> Plan:
     """The live worker that keeps the longest routed prefix of `token_ids` (`jobs.prefixes`:
-    its routing entries, then its heartbeat), or None: no ids, no root (no worker keeps a
-    prefix cache for the model), no entry, or a holder that is gone."""
+    its routing entries under `root` salted with `salt`, then its heartbeat), or None: no
+    ids, no root (no worker keeps a prefix cache for the model), no entry, or a holder that
+    is gone."""
     if token_ids is None or root is None:
         return None
-    reusable = prefixes.block_keys(token_ids[: len(token_ids) - 1], bytes.fromhex(root.decode()))
+    root = prefixes.salted(bytes.fromhex(root.decode()), salt)
+    reusable = prefixes.block_keys(token_ids[: len(token_ids) - 1], root)
     routed = [reusable[i] for i in prefixes.route_blocks(len(reusable))]
     if not routed:
         return None
@@ -182,7 +185,8 @@ def submit(request: SubmitRequest, limits: Limits, max_queue_depth: int,
             return first.decode()
     try:
         worker = ((yield from session_holder(record.session)) if record.session
-                  else (yield from prefix_holder(record.tokens, prefix_root)))
+                  else (yield from prefix_holder(record.tokens, prefix_root,
+                                                 record.cache_salt)))
 
         def writes(pipe) -> None:  # the record and its RQ job land together
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())

@@ -3,9 +3,11 @@ prefix cache, `worker.prefixes`) share, and the routing entries that join them.
 
 A prompt is cut into blocks of `BLOCK_TOKENS` token ids. Block i's key is SHA-256 of block
 i - 1's key and its ids as little-endian int32, `KEY_BYTES` bytes; the first block's parent
-is the root, SHA-256 over the model file's sha256, the worker's cache layout (architecture,
-KV dtype, layer shapes) and an optional salt. So a key names one prefix of one model's cache,
-the same in every process and on every machine (no Python ``hash``, no per-process seed).
+is the root, SHA-256 over the model file's sha256 and the worker's cache layout
+(architecture, KV dtype, layer shapes), or a job's ``cache_salt`` hashed into that root
+(`salted`): jobs of different salts never share a block. So a key names one prefix of one
+model's cache, the same in every process and on every machine (no Python ``hash``, no
+per-process seed).
 
 A worker with a prefix cache publishes its root per model (``keys.PREFIX_ROOTS``) and, for
 the blocks it keeps, a few routing entries (``keys.prefix_route``: the holder's name, expiring
@@ -27,14 +29,23 @@ ROUTE_TTL_S = 600  # a routing entry outlives its last refresh by this long
 _KEY_VERSION = "prefillq prefix v1"
 
 
-def root_key(model_sha256: str, layout: dict, salt: str | None = None) -> bytes:
+def root_key(model_sha256: str, layout: dict) -> bytes:
     """The parent of a prompt's first block: SHA-256 over the model file's `model_sha256`
-    (hex), the cache `layout` (``ModelCache.layout()``: architecture, KV dtype, layer
-    shapes) and `salt` (requests that must not share a prefix give different salts),
-    `KEY_BYTES` bytes."""
-    text = json.dumps({"v": _KEY_VERSION, "model": model_sha256, "layout": layout,
-                       "salt": salt}, sort_keys=True, separators=(",", ":"))
+    (hex) and the cache `layout` (``ModelCache.layout()``: architecture, KV dtype, layer
+    shapes), `KEY_BYTES` bytes."""
+    text = json.dumps({"v": _KEY_VERSION, "model": model_sha256, "layout": layout},
+                      sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).digest()[:KEY_BYTES]
+
+
+def salted(root: bytes, salt: str | None) -> bytes:
+    """The root of the prompts of jobs with ``cache_salt`` `salt`: SHA-256 over `root` and
+    the salt's UTF-8 (`root` itself for None), `KEY_BYTES` bytes. A client computes it from
+    the root a worker publishes, so a salted job is routed too; without the salt no one can
+    name its blocks (vLLM's ``cache_salt`` is the same idea)."""
+    if salt is None:
+        return root
+    return hashlib.sha256(root + b"\0salt\0" + salt.encode()).digest()[:KEY_BYTES]
 
 
 def block_keys(token_ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS

@@ -49,6 +49,7 @@ class JobRecord:
     prompt_logprobs: int | None = None  # K: per-position logprobs and top K (None: off)
     # scored from the end of the prompt: token-id lists after `tokens`, strings after `prompt`
     continuations: list[str | list[int]] | None = None
+    cache_salt: str | None = None  # a prefix cache shares blocks only among equal salts
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     enqueued_at: float | None = None

@@ -178,6 +178,7 @@ class SubmitRequest:
     priority: int = 0
     prompt_logprobs: int | None = None
     continuations: Sequence[str] | Sequence[Sequence[int]] | None = None
+    cache_salt: str | None = None
     chunk_tokens: int | None = None
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -193,8 +194,9 @@ class SubmitRequest:
             InvalidRequest: naming the field: no input or two; a prompt that is not a str,
                 is blank or holds a lone surrogate; tokens that are not a non-empty list of
                 ints (bools and floats refused); malformed messages (`check_messages`); a
-                model, session or idempotency_key that is not a non-empty str of at most
-                ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a bool;
+                model, session, cache_salt or idempotency_key that is not a non-empty str
+                of at most ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a
+                bool;
                 top_k outside [0, limits.max_top_k]; logits not none/top_k/full; priority
                 outside [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts
                 outside [1, MAX_ATTEMPTS]; prompt_logprobs outside [0,
@@ -210,6 +212,7 @@ class SubmitRequest:
         return SubmitRequest(
             **inputs,
             continuations=checked_continuations(self.continuations, inputs, session, limits),
+            cache_salt=name_of("cache_salt", self.cache_salt, optional=True),
             model=name_of("model", self.model),
             add_generation_prompt=flag("add_generation_prompt", self.add_generation_prompt),
             top_k=int_in("top_k", self.top_k, 0, limits.max_top_k),

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from jobs import keys
-from jobs.prefixes import BLOCK_TOKENS, ROUTE_TTL_S, block_keys, root_key, route_blocks
+from jobs.prefixes import BLOCK_TOKENS, ROUTE_TTL_S, block_keys, root_key, route_blocks, salted
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from model.prefill import Prefill
@@ -52,20 +52,21 @@ class PrefixBlocks:
 
     def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,
                 chunk_tokens: int | None, prompt_logprobs: int | None,
-                live: Callable[[str], bool] = lambda job_id: False, keep_cache: bool = False
-                ) -> tuple[Prefill, list[bytes]] | None:
+                live: Callable[[str], bool] = lambda job_id: False, keep_cache: bool = False,
+                salt: str | None = None) -> tuple[Prefill, list[bytes]] | None:
         """Job `job_id`'s first start on `loaded`: its prefill from the longest held prefix
         of `token_ids`, and the keys of its blocks to insert when it finishes (empty: none);
         or None to defer it, when a job for which `live` holds (resident, or starting with
         it) will insert the block that would extend that prefix. With `keep_cache`, the
-        last chunk writes its rows (continuations are scored from them).
+        last chunk writes its rows (continuations are scored from them). A job's
+        ``cache_salt`` `salt` keys its blocks apart (`jobs.prefixes.salted`).
 
         Raises:
             ValueError: as `model.prefix_cache.prefix_prefill` (a prompt the checks let
                 through should not raise it).
         """
         B = self.cache.block_tokens
-        keys = block_keys(token_ids, self.root(loaded), B)
+        keys = block_keys(token_ids, salted(self.root(loaded), salt), B)
         reusable = keys[: (len(token_ids) - 1) // B]
         held = self.cache.longest(reusable, prompt_logprobs)
         owner = self.capturing.get(reusable[held]) if held < len(reusable) else None

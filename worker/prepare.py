@@ -143,7 +143,7 @@ def _prefix_prefill(loaded: LoadedModel, record: JobRecord, ids: list[int],
     try:
         started = prefixes.prefill(loaded, ids, job_id=record.job_id, chunk_tokens=chunk_tokens,
                                    prompt_logprobs=record.prompt_logprobs, live=live,
-                                   keep_cache=keep_cache)
+                                   keep_cache=keep_cache, salt=record.cache_salt)
     except Exception as e:
         log.exception("job %s: could not start", record.job_id)
         return Prepared(None, ("ModelError", f"{type(e).__name__}: {e}"))

@@ -52,6 +52,7 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None  # vLLM's: prefix blocks are shared only within one salt
 
 
 def check_request(req: CompletionRequest) -> None:
@@ -93,7 +94,8 @@ def prompt_inputs(prompt: str | list) -> list[dict[str, Any]]:
 def job_options(req: CompletionRequest) -> dict[str, Any]:
     """The `submit` keywords every job of `req` shares: top_k covers the argmax and the
     ``logprobs`` alternatives; echoed logprobs need the prompt's."""
-    options: dict[str, Any] = {"model": req.model, "top_k": max(req.logprobs or 0, 1)}
+    options: dict[str, Any] = {"model": req.model, "top_k": max(req.logprobs or 0, 1),
+                               "cache_salt": req.cache_salt}
     if req.echo and req.logprobs is not None:
         options["prompt_logprobs"] = req.logprobs
     return options

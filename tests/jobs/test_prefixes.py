@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jobs.prefixes import block_keys, root_key, route_blocks
+from jobs.prefixes import block_keys, root_key, route_blocks, salted
 
 
 def test_a_prompts_keys_chain_its_whole_blocks():
@@ -29,8 +29,12 @@ def test_the_root_names_the_model_file_the_cache_layout_and_the_salt():
     layout = {"kv_dtype": "float32", "layers": [[1, 16, 16]]}
     base = root_key("0" * 64, layout)
     assert base == root_key("0" * 64, dict(reversed(layout.items())))  # key order aside
-    assert len({base, root_key("1" * 64, layout), root_key("0" * 64, layout, "tenant-a"),
-                root_key("0" * 64, {**layout, "kv_dtype": "bfloat16"})}) == 4
+    assert salted(base, None) == base
+    assert salted(base, "tenant-a") == salted(root_key("0" * 64, layout), "tenant-a")
+    assert len({base, root_key("1" * 64, layout), salted(base, "tenant-a"),
+                salted(base, "tenant-b"), root_key("0" * 64, {**layout, "kv_dtype": "bfloat16"}),
+                }) == 5
+    assert all(len(k) == 16 for k in (base, salted(base, "x")))
 
 
 def test_keys_are_the_same_in_another_process():

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from jobs.prefixes import BLOCK_TOKENS, block_keys, root_key
+from jobs.prefixes import BLOCK_TOKENS, block_keys, root_key, salted
 from model.cache import RowLog
 from model.planner import plan_chunks
 from model.prefill import Prefill
@@ -163,7 +163,7 @@ def test_a_row_log_keeps_the_last_write_of_each_position():
 
 
 def _prefix_prefill(loaded, ids, prefixes, salt=None, **kwargs):
-    root = root_key(loaded.sha256, loaded.model.make_cache(mx.float32).layout(), salt)
+    root = salted(root_key(loaded.sha256, loaded.model.make_cache(mx.float32).layout()), salt)
     return prefix_prefill(loaded.model, ids, prefixes, block_keys(ids, root, BLOCK_TOKENS),
                           vocab_size=loaded.vocab_size, context_length=loaded.context_length,
                           **kwargs)

@@ -186,3 +186,22 @@ def test_submit_routes_a_job_to_the_live_worker_that_keeps_its_prefix(setup, tin
     assert client.redis.llen(rq_queue_key(keys.own_queue("w1"))) == 0
     w2.work(burst=True)
     assert [client.status(j).reuse for j in (gone, other)] == ["cold", "cold"]
+
+
+def test_jobs_share_blocks_only_with_their_own_cache_salt_and_are_routed_by_it(setup, tiny):
+    from jobs import keys
+    from jobs.queues import rq_queue_key
+
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=1)
+    context = ids(100, 11)
+    client.submit(tokens=context + [300], model=MODEL, cache_salt="tenant-a")
+    worker.work(burst=True)
+    worker.register_models()  # alive again: a burst's end deregisters the worker
+    jobs = {salt: client.submit(tokens=context + [301], model=MODEL, cache_salt=salt)
+            for salt in (None, "tenant-b", "tenant-a")}
+    # only tenant-a's job is routed to the holder of tenant-a's blocks (w1 is its name)
+    assert client.redis.llen(rq_queue_key(keys.own_queue("w1"))) == 1
+    worker.work(burst=True)
+    reused = {salt: (client.status(j).reuse, client.status(j).cached_tokens)
+              for salt, j in jobs.items()}
+    assert reused == {None: ("cold", 0), "tenant-b": ("cold", 0), "tenant-a": ("prefix", 96)}
