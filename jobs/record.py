@@ -50,6 +50,8 @@ class JobRecord:
     # scored from the end of the prompt: token-id lists after `tokens`, strings after `prompt`
     continuations: list[str | list[int]] | None = None
     cache_salt: str | None = None  # a prefix cache shares blocks only among equal salts
+    label_token_ids: list[int] | None = None  # their logprobs after the prompt (and each
+    # continuation) are in the result
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     enqueued_at: float | None = None

@@ -156,6 +156,21 @@ def _prompt_logprobs(k: Any, session: str | None, limits: Limits) -> int | None:
     return k
 
 
+def _labels(ids: Any, limits: Limits) -> list[int] | None:
+    """`ids` as a new list of 1 to ``limits.max_top_k`` token ids, or None. Raises
+    InvalidRequest naming ``label_token_ids``."""
+    if ids is None:
+        return None
+    try:
+        out = token_list(ids)
+    except InvalidRequest as e:
+        raise InvalidRequest(f"label_token_ids: {e}") from e
+    if len(out) > limits.max_top_k:
+        raise InvalidRequest(f"label_token_ids has {len(out)} ids, more than the "
+                             f"{limits.max_top_k} of Limits.max_top_k (ask for logits='full')")
+    return out
+
+
 @dataclass(frozen=True)
 class SubmitRequest:
     """One prefill as a client submits it: the fields of `PrefillClient.submit` (see it for
@@ -179,6 +194,7 @@ class SubmitRequest:
     prompt_logprobs: int | None = None
     continuations: Sequence[str] | Sequence[Sequence[int]] | None = None
     cache_salt: str | None = None
+    label_token_ids: Sequence[int] | None = None
     chunk_tokens: int | None = None
     idempotency_key: str | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -200,7 +216,8 @@ class SubmitRequest:
                 top_k outside [0, limits.max_top_k]; logits not none/top_k/full; priority
                 outside [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts
                 outside [1, MAX_ATTEMPTS]; prompt_logprobs outside [0,
-                limits.max_prompt_logprobs] or with a session; continuations that are not
+                limits.max_prompt_logprobs] or with a session; label_token_ids that are not
+                a list of 1 to ``limits.max_top_k`` token ids; continuations that are not
                 1 to ``limits.max_continuations`` token-id lists after ``tokens`` or
                 non-empty strings after ``prompt``, or come with messages or a session.
             PromptTooLarge: the prompt's (or messages') UTF-8 bytes, the continuations'
@@ -213,6 +230,7 @@ class SubmitRequest:
             **inputs,
             continuations=checked_continuations(self.continuations, inputs, session, limits),
             cache_salt=name_of("cache_salt", self.cache_salt, optional=True),
+            label_token_ids=_labels(self.label_token_ids, limits),
             model=name_of("model", self.model),
             add_generation_prompt=flag("add_generation_prompt", self.add_generation_prompt),
             top_k=int_in("top_k", self.top_k, 0, limits.max_top_k),
@@ -276,8 +294,12 @@ def check_against_model(record: JobRecord, info: ModelInfo,
 
     Raises:
         TokenOutOfRange, PromptTooLong: as `check_token_ids` and
-            `check_continuations_against_model`.
+            `check_continuations_against_model`; TokenOutOfRange for a label id too.
     """
+    bad = next((t for t in record.label_token_ids or () if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise TokenOutOfRange(f"label_token_ids: token id {bad} is outside the vocabulary "
+                              f"[0, {info.vocab_size})")
     if record.tokens is not None:
         context = limits.prompt_tokens(info.context_length)
         check_token_ids(record.tokens, info.vocab_size, context)

@@ -39,6 +39,8 @@ class ContinuationResult:
             ``[[{"id": int, "logprob": float}, ...], ...]`` highest first; else empty lists.
         top_k: the job's ``top_k`` highest logits after the whole continuation (as the
             job's own ``top_k`` is after the prompt): the token a generation would add.
+        label_logprobs: the logprob of each of the job's ``label_token_ids`` after the
+            whole continuation (empty without them).
     """
 
     tokens: list[int]
@@ -47,6 +49,7 @@ class ContinuationResult:
     token_logprobs: list[float]
     top: list[list[dict]]
     top_k: list[TopLogit]
+    label_logprobs: list[float]
 
     @classmethod
     def from_dict(cls, data: dict) -> ContinuationResult:
@@ -66,6 +69,7 @@ class PrefillResult:
             "logprob": float}, ...]}`` (`prompt_logprobs_of`); else None.
         continuations: with ``continuations``, one `ContinuationResult` each, in order;
             ``top_k``, ``logits`` and ``prompt_logprobs`` are the prompt's.
+        label_logprobs: with ``label_token_ids``, the logprob of each after the prompt.
         timings: ``queue_wait_s``, ``prefill_s`` (first start to finish), ``compute_s``
             (forward passes only), ``tokens_per_s`` ((n_tokens - cached_tokens) / prefill_s:
             tokens prefilled, not reused from a session's slot).
@@ -82,6 +86,7 @@ class PrefillResult:
     logits: array.array | None = field(default=None, repr=False)
     prompt_logprobs: list[dict] | None = field(default=None, repr=False)
     continuations: list[ContinuationResult] | None = None
+    label_logprobs: list[float] | None = None
 
     @classmethod
     def from_blob(cls, job_id: str, blob: bytes, logits: bytes | None,
@@ -105,6 +110,7 @@ class PrefillResult:
                 prompt_logprobs),
             continuations=None if data.get("continuations") is None else [
                 ContinuationResult.from_dict(c) for c in data["continuations"]],
+            label_logprobs=data.get("label_logprobs"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,14 +168,15 @@ def prompt_logprobs_of(blob: bytes) -> list[dict]:
 def result_blob(*, n_tokens: int, cached_tokens: int, reuse: str, chunks_done: int,
                 top_k: Iterable[TopLogit], timings: dict[str, float],
                 model_sha256: str,
-                continuations: Iterable[ContinuationResult] | None = None) -> bytes:
+                continuations: Iterable[ContinuationResult] | None = None,
+                label_logprobs: list[float] | None = None) -> bytes:
     """The msgpack of a finished job's ``result`` field, which `PrefillResult.from_blob`
     decodes (the fields are `PrefillResult`'s)."""
     return packb({"n_tokens": n_tokens, "cached_tokens": cached_tokens, "reuse": reuse,
                   "chunks_done": chunks_done, "top_k": [asdict(t) for t in top_k],
                   "timings": timings, "model_sha256": model_sha256,
                   "continuations": None if continuations is None else [
-                      asdict(c) for c in continuations]})
+                      asdict(c) for c in continuations], "label_logprobs": label_logprobs})
 
 
 def logits_blob(logits: bytes) -> bytes:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .cache import CommittedCache
 from .chunk import PrefillModel
-from .logprobs import PromptLogprobs, TopToken
+from .logprobs import PromptLogprobs, TopToken, logprobs_of
 from .logprobs import top_k as top
 from .planner import DEFAULT_CHUNK_TOKENS, plan_chunks
 from .prefill import Prefill
@@ -46,6 +46,7 @@ class ContinuationScore:
             logprobs, highest first (``m`` lists of ``k``; empty lists for ``k = 0``).
         top_k: the highest logits after the whole continuation (`model.logprobs.top_k` of
             its final logits), highest first.
+        label_logprobs: the logprob of each of the label ids after the whole continuation.
     """
 
     token_ids: list[int]
@@ -55,6 +56,7 @@ class ContinuationScore:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
     top_k: list[TopToken]
+    label_logprobs: list[float]
 
 
 def fork_cache(model: PrefillModel, cache: CommittedCache) -> CommittedCache:
@@ -71,8 +73,8 @@ def fork_cache(model: PrefillModel, cache: CommittedCache) -> CommittedCache:
 
 def score_continuations(context: Prefill, logits: np.ndarray,
                         continuations: Sequence[Sequence[int]], *, k: int = 0,
-                        top_k: int = 0, vocab_size: int, chunk_tokens: int | None = None
-                        ) -> list[ContinuationScore]:
+                        top_k: int = 0, label_ids: Sequence[int] = (), vocab_size: int,
+                        chunk_tokens: int | None = None) -> list[ContinuationScore]:
     """Score each of `continuations` after `context`'s prompt.
 
     Each continuation is prefilled from a fork of the context's cache (`fork_cache`), in
@@ -89,6 +91,8 @@ def score_continuations(context: Prefill, logits: np.ndarray,
         k: top alternatives reported per continuation position, ``0 <= k <= vocab_size``.
         top_k: the highest logits after each whole continuation to report (`top_k` of its
             final logits: the token a generation would add).
+        label_ids: token ids whose logprobs after each whole continuation to report
+            (generative scoring's label tokens: "yes" and "no", say).
         vocab_size: the model's vocabulary size.
     Returns:
         one `ContinuationScore` each, in order.
@@ -124,7 +128,7 @@ def score_continuations(context: Prefill, logits: np.ndarray,
                 lane.step()
         pending = [lane for lane in pending if not lane.done]
     after = Prefill.logits_of(lanes)  # each whole continuation's final logits
-    return [_score(lane.logprobs, n, k, top(final, top_k))
+    return [_score(lane.logprobs, n, k, top(final, top_k), logprobs_of(final, label_ids))
             for lane, final in zip(lanes, after, strict=True)]
 
 
@@ -142,8 +146,8 @@ def _passes(lanes: list[Prefill], max_tokens: int) -> list[list[Prefill]]:
     return passes
 
 
-def _score(logprobs: PromptLogprobs, start: int, k: int, next_top: list[TopToken]
-           ) -> ContinuationScore:
+def _score(logprobs: PromptLogprobs, start: int, k: int, next_top: list[TopToken],
+           labels: list[float]) -> ContinuationScore:
     """The continuation entries ``[start, n)`` of `logprobs` (top 1 at least) as a score."""
     rows = slice(start, len(logprobs.token_ids))
     ids = logprobs.token_ids[rows]
@@ -152,4 +156,5 @@ def _score(logprobs: PromptLogprobs, start: int, k: int, next_top: list[TopToken
         token_ids=ids, token_logprobs=token, logprob=math.fsum(token),
         is_greedy=bool(np.array_equal(logprobs.top_ids[rows, 0], ids)),
         top_ids=logprobs.top_ids[rows, :k].tolist(),
-        top_logprobs=logprobs.top_logprobs[rows, :k].tolist(), top_k=next_top)
+        top_logprobs=logprobs.top_logprobs[rows, :k].tolist(), top_k=next_top,
+        label_logprobs=labels)

@@ -44,6 +44,15 @@ def top_k(logits: np.ndarray, k: int) -> list[TopToken]:
     return [TopToken(int(i), float(logits[i]), float(logits[i]) - z) for i in ids]
 
 
+def logprobs_of(logits: np.ndarray, ids: Sequence[int]) -> list[float]:
+    """The log-softmax of float32 ``(vocab,)`` `logits` at each of `ids` (`log_z`'s
+    normalizer), in order."""
+    if not len(ids):
+        return []
+    z = log_z(logits)
+    return [float(logits[i]) - z for i in ids]
+
+
 def log_z(logits: np.ndarray, peak: float | None = None) -> float:
     """``log sum exp(logits)`` of float32 ``(vocab,)`` logits, as ``peak + log sum exp(logits
     - peak)`` with the exponentials in float32 and their sum in float64 (`peak`: their

@@ -10,7 +10,7 @@ import numpy as np
 from jobs.result import ContinuationResult, TopLogit, prompt_logprobs_blob, result_blob
 from jobs.schema import LogitsMode
 from model.continuations import ContinuationScore, score_continuations
-from model.logprobs import TopToken, top_k
+from model.logprobs import TopToken, logprobs_of, top_k
 from model.prefill import Prefill
 from model.registry import LoadedModel
 
@@ -41,6 +41,8 @@ class ActiveJob:
     # (`model.continuations`), and their scores then; None: it has none
     continuations: list[list[int]] | None = None
     scores: list[ContinuationScore] | None = None
+    label_token_ids: list[int] | None = None  # their logprobs after the prompt (and each
+    # continuation) are in the result
 
 
 def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
@@ -70,8 +72,11 @@ def result_of(active: ActiveJob, logits: np.ndarray, prefill_s: float) -> bytes:
                                                                                 strict=True)]
                                     for ids, lps in zip(s.top_ids, s.top_logprobs,
                                                         strict=True)],
-                               top_k=top_logits(s.top_k, loaded))
+                               top_k=top_logits(s.top_k, loaded),
+                               label_logprobs=s.label_logprobs)
             for s in active.scores],
+        label_logprobs=None if active.label_token_ids is None else logprobs_of(
+            logits, active.label_token_ids),
     )
 
 
@@ -97,7 +102,8 @@ def score(active: ActiveJob, logits: np.ndarray, chunk_tokens: int | None) -> No
     p = active.prefill
     active.scores = score_continuations(
         p, logits, active.continuations, k=0 if p.logprobs is None else p.logprobs.k,
-        top_k=active.top_k, vocab_size=active.model.vocab_size, chunk_tokens=chunk_tokens)
+        top_k=active.top_k, label_ids=active.label_token_ids or (),
+        vocab_size=active.model.vocab_size, chunk_tokens=chunk_tokens)
 
 
 def prompt_logprobs_of_prefill(prefill: Prefill) -> bytes:

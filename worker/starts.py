@@ -157,6 +157,7 @@ class Starts:
             checkpoints=prepared.checkpoints,
             prefix_keys=prepared.prefix_keys,
             continuations=prepared.continuations,
+            label_token_ids=record.label_token_ids,
         )
         if self.faults is not None:
             self.faults.install(active)

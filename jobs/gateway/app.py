@@ -10,13 +10,13 @@ from fastapi.responses import JSONResponse
 
 from ..aio import AsyncPrefillClient
 from ..defaults import DEFAULT_MAX_BODY_BYTES
-from . import completions, native, observe, tokenize
+from . import completions, native, observe, score, tokenize
 from .errors import HANDLERS, error_response
 from .limits import BodyLimit, BodyTooLarge
 from .liveness import LiveWorkers
 
 # Every route of the app, by module.
-ROUTERS = (native.router, completions.router, tokenize.router, observe.router)
+ROUTERS = (native.router, completions.router, score.router, tokenize.router, observe.router)
 
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,

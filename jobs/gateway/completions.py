@@ -235,7 +235,25 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
             else inputs)
     options = job_options(req)
     batch = batch_jobs(jobs, client.limits)
-    submitted = await asyncio.gather(*(client.submit(**job.input, **options) for job in batch),
+    outcome = await run_jobs(request, client, [{**job.input, **options} for job in batch])
+    if isinstance(outcome, JSONResponse):
+        return outcome
+    job_ids, results = outcome
+    scored = [Scored(i, r) for i, r in zip(inputs, answers(batch, results), strict=True)]
+    return JSONResponse(response(job_ids, req, scored, tokenizer))
+
+
+async def run_jobs(request: Request, client, jobs: Sequence[dict[str, Any]]
+                   ) -> tuple[list[str], list[PrefillResult]] | JSONResponse:
+    """Submit `jobs` (`submit`'s keywords each) together and wait for all: their ids and
+    results in order, or the response to give instead: 499 when the client went away, the
+    failed job's error or 409 for a canceled one. Every job of the batch is canceled then
+    (and when a submit is refused, whose error is raised).
+
+    Raises:
+        the first submit's error (InvalidRequest, UnknownModel, QueueFull, ...).
+    """
+    submitted = await asyncio.gather(*(client.submit(**job) for job in jobs),
                                      return_exceptions=True)
     job_ids = [j for j in submitted if isinstance(j, str)]
     refused = next((e for e in submitted if isinstance(e, BaseException)), None)
@@ -250,10 +268,8 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
         return JSONResponse({}, status_code=499)  # nobody reads it; logged as 499, as nginx
     except JobFailed as e:
         await cancel_all(client, job_ids)
-        status = failed_job_status(e)
-        return error_response(status, e.error_type, e.message)
+        return error_response(failed_job_status(e), e.error_type, e.message)
     except JobCanceled as e:
         await cancel_all(client, job_ids)
         return error_response(409, "JobCanceled", str(e))
-    scored = [Scored(i, r) for i, r in zip(inputs, answers(batch, results), strict=True)]
-    return JSONResponse(response(job_ids, req, scored, tokenizer))
+    return job_ids, list(results)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model.continuations import score_continuations
-from model.logprobs import top_k
+from model.logprobs import logprobs_of, top_k
 from model.prefill import Prefill
 from model.registry import load_model
 
@@ -20,6 +20,7 @@ from model.registry import load_model
 # elsewhere (the chunked-vs-one-pass bound of tests/model/test_prefix_cache.py)
 BOUND = 5e-6
 K = 3
+LABELS = (5, 7, 200)  # generative scoring's label tokens (every tiny vocabulary has them)
 
 
 @pytest.fixture(scope="module", params=["gemma3-tiny", "qwen3-tiny", "deepseek4-tiny"])
@@ -47,7 +48,8 @@ def _cold(loaded, ids: list[int], n: int, k: int = K):
     return lp.token_logprob[rows], lp.top_ids[rows], lp.top_logprobs[rows], logits
 
 
-def _check(loaded, context_ids, continuations, scores, k: int = K, n_top: int = K) -> float:
+def _check(loaded, context_ids, continuations, scores, k: int = K, n_top: int = K,
+           labels: tuple[int, ...] = ()) -> float:
     """Each score against the cold prefill of its whole prompt; the worst relative diff."""
     worst = 0.0
     n = len(context_ids)
@@ -67,6 +69,8 @@ def _check(loaded, context_ids, continuations, scores, k: int = K, n_top: int = 
         assert [t.id for t in score.top_k] == [t.id for t in expected]
         assert np.allclose([t.logprob for t in score.top_k], [t.logprob for t in expected],
                            atol=BOUND * scale)
+        assert np.allclose(score.label_logprobs, logprobs_of(final, labels), rtol=0,
+                           atol=BOUND * scale)
         worst = max(worst, diff / scale)
     return worst
 
@@ -83,8 +87,10 @@ def test_each_continuation_scores_as_a_cold_prefill_of_its_whole_prompt(tiny_mod
     continuations = [_ids(rng, m, tiny_model.vocab_size, bos=False) for m in lengths]
     context, logits = _context(tiny_model, context_ids)
     scores = score_continuations(context, logits, continuations, k=K, top_k=K,
-                                 vocab_size=tiny_model.vocab_size, chunk_tokens=chunk)
-    _check(tiny_model, context_ids, continuations, scores)
+                                 label_ids=LABELS, vocab_size=tiny_model.vocab_size,
+                                 chunk_tokens=chunk)
+    assert all(len(s.label_logprobs) == len(LABELS) for s in scores)
+    _check(tiny_model, context_ids, continuations, scores, labels=LABELS)
 
 
 def test_a_greedy_continuation_is_recognized_and_a_changed_one_is_not(tiny):
