@@ -58,6 +58,8 @@ SESSION_CHECKPOINT = PREFIX + ":session:{session}:ckpt:{part}"
 # model name -> the root key (hex) of its prompts' prefix blocks, written by the workers that
 # keep a prefix cache (`jobs.prefixes`); a hash
 PREFIX_ROOTS = PREFIX + ":prefix-roots"
+# worker name -> the bytes its prefix cache holds, written with each insert (``/metrics``)
+PREFIX_BYTES = PREFIX + ":prefix-bytes"
 # a prefix block's key (hex) -> the name of a worker that keeps the block; a few blocks of each
 # kept prompt (`jobs.prefixes.route_blocks`), expiring (`jobs.prefixes.ROUTE_TTL_S`)
 PREFIX_ROUTE = PREFIX + ":prefix:{key}"

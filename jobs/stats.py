@@ -24,6 +24,8 @@ CHUNK_SECONDS_BUCKETS: tuple[float, ...] = (
 SUBMITTED = "submitted"
 TOKENS_PREFILLED = "tokens_prefilled"
 TOKENS_REUSED = "tokens_reused"
+PREFIX_HITS = "prefix_hits"
+PREFIX_MISSES = "prefix_misses"
 CHUNK_SECONDS_SUM = "chunk_seconds_sum"
 TERMINAL_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELED)
 # Commands `record_chunks` adds for one chunk (the chunk count is the buckets' sum); a step's
@@ -84,11 +86,14 @@ def record_terminal(pipe, state: JobState | str, n: int = 1) -> None:
     pipe.hincrby(keys.STATS, state.value, n)
 
 
-def record_reused(pipe, tokens: int) -> None:
+def record_reused(pipe, tokens: int, hits: int = 0, misses: int = 0) -> None:
     """Count `tokens` prompt tokens that finished jobs reused instead of computing (a
-    session's slot or the worker's prefix cache) on `pipe` (one HINCRBY; none for 0)."""
-    if tokens:
-        pipe.hincrby(keys.STATS, TOKENS_REUSED, int(tokens))
+    session's slot or the worker's prefix cache), and finished jobs whose prompt a worker's
+    prefix cache served a prefix of (`hits`) or none of (`misses`), on `pipe` (an HINCRBY
+    each that is not 0)."""
+    for name, n in ((TOKENS_REUSED, tokens), (PREFIX_HITS, hits), (PREFIX_MISSES, misses)):
+        if n:
+            pipe.hincrby(keys.STATS, name, int(n))
 
 
 def record_submitted(pipe) -> None:
@@ -135,6 +140,10 @@ class ClusterStats:
             was canceled or fenced meanwhile (the work was done).
         tokens_reused: prompt tokens of finished jobs that a session's slot or a worker's
             prefix cache supplied instead of a forward pass (their ``cached_tokens``).
+        prefix_hits, prefix_misses: finished jobs that started on a worker with a prefix
+            cache (not a session's) and reused a prefix of their prompt from it, or none.
+        prefix_bytes: the bytes live workers' prefix caches hold (each worker's figure as
+            of its last insert).
         chunks: the chunk-time histogram (fields ``chunk_le:<bound>``, one increment per
             chunk, not cumulative, and ``chunk_seconds_sum``).
         queue_depth: per registered model, executions waiting in its intake queues (every
@@ -156,6 +165,9 @@ class ClusterStats:
     canceled: int = 0
     tokens_prefilled: int = 0
     tokens_reused: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_bytes: int = 0
     chunks: ChunkHistogram = field(default_factory=lambda: histogram_of({}))
     queue_depth: dict[str, int] = field(default_factory=dict)
     routed: int = 0
@@ -221,7 +233,8 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
         reads += [("smembers", keys.priorities(m)), ("llen", rq_queue_key(keys.intake_queue(m)))]
     for w in workers:
         reads += [("exists", keys.worker_heartbeat(w)), ("smembers", keys.worker_models(w)),
-                  ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.own_queue(w)))]
+                  ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.own_queue(w))),
+                  ("hget", keys.PREFIX_BYTES, w)]
     replies = (yield reads) if reads else []
     per_model, per_worker = replies[:2 * len(models)], replies[2 * len(models):]
     depth = {m: per_model[2 * i + 1] for i, m in enumerate(models)}
@@ -234,27 +247,31 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
     return _decode(raw, depth, per_worker)
 
 
+_PER_WORKER = 5  # `read_plan`'s reads of each worker
+
+
 def _decode(raw: Mapping, depth: dict[str, int], per_worker: list
             ) -> ClusterStats:
     live = dict.fromkeys(depth, 0)
-    alive = prefilling = routed = 0
-    for i in range(0, len(per_worker), 4):
-        beat, served, held, own = per_worker[i:i + 4]
+    alive = prefilling = routed = prefix_bytes = 0
+    for i in range(0, len(per_worker), _PER_WORKER):
+        beat, served, held, own, cached = per_worker[i:i + _PER_WORKER]
         routed += own
         if not beat:
             continue
         alive += 1
         prefilling += held
+        prefix_bytes += int(cached or 0)
         for m in _names(served):
             live[m] = live.get(m, 0) + 1
     fields = _fields(raw)
     counts = {name: int(fields.get(name, 0)) for name in
-              (SUBMITTED, TOKENS_PREFILLED, TOKENS_REUSED,
+              (SUBMITTED, TOKENS_PREFILLED, TOKENS_REUSED, PREFIX_HITS, PREFIX_MISSES,
                *(s.value for s in TERMINAL_STATES))}
     return ClusterStats(
-        **counts, chunks=histogram_of(raw), queue_depth=depth, routed=routed,
-        prefilling=prefilling, live_workers=live, workers_alive=alive,
-        workers_dead=len(per_worker) // 4 - alive)
+        **counts, prefix_bytes=prefix_bytes, chunks=histogram_of(raw), queue_depth=depth,
+        routed=routed, prefilling=prefilling, live_workers=live, workers_alive=alive,
+        workers_dead=len(per_worker) // _PER_WORKER - alive)
 
 
 def read_cluster_stats_sync(redis) -> ClusterStats:

@@ -21,7 +21,7 @@ from jobs.prefixes import BLOCK_TOKENS, ROUTE_TTL_S, block_keys, root_key, route
 from jobs.record import JobRecord
 from jobs.schema import JobState
 from model.prefill import Prefill
-from model.prefix_cache import PrefixCache, prefix_prefill
+from model.prefix_cache import PREFIX, PrefixCache, prefix_prefill
 from model.registry import LoadedModel
 
 from .active import ActiveJob
@@ -49,6 +49,7 @@ class PrefixBlocks:
         # block key -> the job that will insert it when it finishes (set at its start)
         self.capturing: dict[bytes, str] = {}
         self._roots: dict[str, bytes] = {}
+        self._started: set[str] = set()  # jobs started here, until they leave (`outcomes`)
 
     def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,
                 chunk_tokens: int | None, prompt_logprobs: int | None,
@@ -76,6 +77,7 @@ class PrefixBlocks:
             loaded.model, token_ids, self.cache, keys, vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, chunk_tokens=chunk_tokens,
             kv_dtype=loaded.dtype, prompt_logprobs=prompt_logprobs, keep_cache=keep_cache)
+        self._started.add(job_id)
         for key in keys:  # an owner that is no longer live gives way
             if not live(self.capturing.get(key, job_id)):
                 self.capturing[key] = job_id
@@ -83,6 +85,15 @@ class PrefixBlocks:
             self.reused_tokens += prefill.cached_tokens
             self.reused_jobs += 1
         return prefill, keys
+
+    def outcomes(self, finished: Sequence[ActiveJob]) -> tuple[int, int]:
+        """(hits, misses): how many of the `finished` jobs that started here reused a prefix
+        (``reuse`` `PREFIX`) and how many reused none (a session's job, or a later attempt
+        on its recorded plan, did not start here and counts as neither)."""
+        mine = [a for a in finished if a.job_id in self._started]
+        self._started.difference_update(a.job_id for a in mine)
+        hits = sum(a.prefill.reuse == PREFIX for a in mine)
+        return hits, len(mine) - hits
 
     def release(self, job_id: str, keys: Sequence[bytes]) -> None:
         """Job `job_id` will not insert the blocks of `keys` (it left, or was not taken):
@@ -118,6 +129,7 @@ class PrefixBlocks:
         prompt); a failure to copy them is logged and costs only later reuse. The jobs
         deferred for its blocks start at the next admission either way."""
         self.release(active.job_id, active.prefix_keys)
+        self._started.discard(active.job_id)
         if ended != JobState.FINISHED or not active.prefix_keys:
             return
         try:
@@ -137,6 +149,7 @@ class PrefixBlocks:
         try:
             with self.connection.pipeline(transaction=False) as pipe:
                 pipe.hset(keys.PREFIX_ROOTS, loaded.name, self.root(loaded).hex())
+                pipe.hset(keys.PREFIX_BYTES, self.worker, self.cache.nbytes)
                 for i in route_blocks(len(prefix_keys)):
                     pipe.set(keys.prefix_route(prefix_keys[i]), self.worker, ex=ROUTE_TTL_S)
                 pipe.execute()

@@ -348,16 +348,18 @@ class Stepper(Starts):
             active.prefill.abandon()
             self.scheduler.remove(active.job_id)
         try:
+            finished = [active for active, ended in leaving if ended == JobState.FINISHED]
             self._forget([active.job_id for active, _ in leaving] if deregister else [],
                          [ended for _, ended in leaving if ended],
-                         sum(active.prefill.cached_tokens for active, ended in leaving
-                             if ended == JobState.FINISHED))
+                         sum(active.prefill.cached_tokens for active in finished),
+                         *(self.prefixes.outcomes(finished) if self.prefixes else (0, 0)))
         finally:
             for active, ended in leaving:
                 for hook in self.hooks:
                     hook.leaving(active, ended)
 
-    def _forget(self, job_ids: list[str], ended: list[JobState], reused: int = 0) -> None:
+    def _forget(self, job_ids: list[str], ended: list[JobState], reused: int = 0,
+                hits: int = 0, misses: int = 0) -> None:
         # One round trip: the held-jobs SREM and the ends' counts (the finished jobs' reused
         # tokens among them), which are best effort (a count Redis refuses is dropped; the
         # SREM, a deletion, is never refused).
@@ -368,7 +370,7 @@ class Stepper(Starts):
                 pipe.srem(keys.worker_jobs(self.name), *job_ids)
             for state, n in Counter(ended).items():
                 stats.record_terminal(pipe, state, n)
-            stats.record_reused(pipe, reused)
+            stats.record_reused(pipe, reused, hits, misses)
             replies = pipe.execute(raise_on_error=False)
         if job_ids and isinstance(replies[0], Exception):
             raise replies[0]

@@ -85,6 +85,14 @@ class Snapshot:
         yield CounterMetricFamily("prefillq_tokens_reused",
                                   "Prompt tokens of finished jobs reused from a session's slot "
                                   "or a prefix cache", value=s.tokens_reused)
+        yield CounterMetricFamily("prefillq_prefix_cache_hits",
+                                  "Finished jobs that reused a prefix from a worker's prefix "
+                                  "cache", value=s.prefix_hits)
+        yield CounterMetricFamily("prefillq_prefix_cache_misses",
+                                  "Finished jobs a worker's prefix cache held no prefix of",
+                                  value=s.prefix_misses)
+        yield GaugeMetricFamily("prefillq_prefix_cache_bytes",
+                                "Bytes live workers' prefix caches hold", value=s.prefix_bytes)
         h = s.chunks
         buckets = [(repr(float(b)), n) for b, n in zip(h.bounds, h.cumulative, strict=False)]
         yield HistogramMetricFamily("prefillq_chunk_seconds", "Seconds of a chunk's forward pass",

@@ -435,6 +435,10 @@ async def test_metrics_count_a_job_its_tokens_and_chunks(http, sync):
     assert delta("prefillq_jobs_total", state="failed") == 0
     assert delta("prefillq_tokens_prefilled_total") == 30
     assert delta("prefillq_tokens_reused_total") == 0
+    # this worker keeps no prefix cache (tests/worker/test_prefix_cache.py counts them)
+    assert delta("prefillq_prefix_cache_hits_total") == 0
+    assert delta("prefillq_prefix_cache_misses_total") == 0
+    assert after[("prefillq_prefix_cache_bytes", ())] == 0
     assert delta("prefillq_chunk_seconds_count") == 8  # 30 tokens in 4-token chunks
     assert delta("prefillq_chunk_seconds_bucket", le="+Inf") == 8
     assert delta("prefillq_chunk_seconds_sum") > 0

@@ -44,7 +44,11 @@ def test_a_job_sharing_a_finished_jobs_prefix_starts_from_its_blocks(setup, tiny
     assert warm.chunks_done == 4  # 119 - 64 = 55 tokens in chunks of 16
     _assert_cold_logits(_full_logits(client, second), tiny, later)
     assert (worker.prefixes.reused_jobs, worker.prefixes.reused_tokens) == (1, 64)
-    assert read_cluster_stats_sync(client.redis).tokens_reused == 64  # /metrics' counter
+    stats = read_cluster_stats_sync(client.redis)  # what /metrics exports
+    assert (stats.tokens_reused, stats.prefix_hits, stats.prefix_misses) == (64, 1, 1)
+    assert stats.prefix_bytes == 0  # the burst ended: no live worker holds blocks
+    worker.register_models()
+    assert read_cluster_stats_sync(client.redis).prefix_bytes == worker.prefixes.cache.nbytes > 0
 
 
 def test_prompt_logprobs_reuse_blocks_that_kept_them_with_a_cold_jobs_values(setup, tiny):
