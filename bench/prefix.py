@@ -9,6 +9,10 @@ token ids, ``echo``, ``logprobs=1``, ``max_tokens=1``, `--batch` prompts a reque
 (lm-eval's ``batch_size``; its default 1 sends one prompt a request, one request after
 another). Each arm runs a fresh ``prefillq worker`` (``--prefix-cache-bytes``: 0 or `--prefix-
 cache-bytes`) and ``prefillq serve`` on a flushed redis-server; arms alternate over `--rounds`.
+With `--batch` above 1 the gateway makes a request's prompts that share a prefix one job
+(`jobs.gateway.shared`), in both arms; a third arm, ``separate``, sends each batch's prompts
+at once as a request each (cache off), as the gateway answered a batch before it grouped
+them, so the grouping's own gain is measured too.
 
 Records (JSON lines): per arm and round ``prefix_mc_wall_s`` (first request to last
 response), tokens submitted and reused (the responses' ``usage.prompt_tokens`` and
@@ -17,7 +21,8 @@ cache-on arm's prompt tokens computed over submitted, issue 27's ceiling 0.35),
 ``prefix_mc_speedup`` (cache-off wall time over cache-on, median over rounds; floor 2.5 on a
 CPU), and ``prefix_mc_logprob_diff`` (the largest difference between the two arms' echoed
 token logprobs, over the largest |logprob|) with the count of continuation tokens whose
-greedy verdict (lm-eval's ``is_greedy``) differs.
+greedy verdict (lm-eval's ``is_greedy``) differs; with ``separate``, the same two against
+it (``prefix_mc_speedup`` ``over: separate``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,21 +85,30 @@ def plan_requests(contexts: int, model: str, vocab_size: int, seed: int
     return prompts, context_lengths
 
 
-def score(http: httpx.Client, model: str, prompts: list[list[int]], batch: int
-          ) -> tuple[int, int, list[dict]]:
-    """Send `prompts` `batch` a request, one request after another; the prompt tokens and
-    cached tokens the responses report, and every choice's ``logprobs`` in prompt order."""
+def score(http: httpx.Client, model: str, prompts: list[list[int]], batch: int,
+          separate: bool = False) -> tuple[int, int, list[dict]]:
+    """Send `prompts` `batch` a request, one request after another (`separate`: each batch's
+    prompts at once, a request each); the prompt tokens and cached tokens the responses
+    report, and every choice's ``logprobs`` in prompt order."""
     submitted = reused = 0
     choices = []
-    for start in range(0, len(prompts), batch):
+
+    def post(group: list[list[int]]) -> dict:
         response = http.post("/v1/completions", json={
-            "model": model, "prompt": prompts[start : start + batch], "max_tokens": 1,
-            "temperature": 0, "echo": True, "logprobs": 1})
+            "model": model, "prompt": group, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 1})
         response.raise_for_status()
-        body = response.json()
-        submitted += body["usage"]["prompt_tokens"]
-        reused += body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        choices += [c["logprobs"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+        return response.json()
+
+    with ThreadPoolExecutor(batch) as pool:
+        for start in range(0, len(prompts), batch):
+            group = prompts[start : start + batch]
+            bodies = list(pool.map(post, [[p] for p in group])) if separate else [post(group)]
+            for body in bodies:
+                submitted += body["usage"]["prompt_tokens"]
+                reused += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                choices += [c["logprobs"]
+                            for c in sorted(body["choices"], key=lambda c: c["index"])]
     return submitted, reused, choices
 
 
@@ -127,7 +142,8 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
             # requests find nothing of theirs held
             score(http, model, [prompts[0][:1] + prompts[0][40:0:-1]], 1)
             t0 = time.perf_counter()
-            submitted, reused, choices = score(http, model, prompts, batch)
+            submitted, reused, choices = score(http, model, prompts, batch,
+                                               separate=name == "separate")
             wall_s = time.perf_counter() - t0
     finally:
         for proc in procs:
@@ -140,7 +156,8 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
 
 
 def report(rec: Recorder, runs: list[ArmRun], on_cpu: bool) -> None:
-    """The records the module docstring lists, from alternating runs of ``off`` and ``on``."""
+    """The records the module docstring lists, from alternating runs of ``off`` and ``on``
+    (and ``separate``)."""
     for run in runs:
         rec("prefix_mc_wall_s", run.wall_s, "s", arm=run.name, round=run.round,
             prompt_tokens=run.submitted, cached_tokens=run.reused,
@@ -151,12 +168,22 @@ def report(rec: Recorder, runs: list[ArmRun], on_cpu: bool) -> None:
     rec("prefix_mc_computed_over_submitted", on_ratio, "ratio", ceiling=CEILING,
         how="prompt tokens computed over submitted with the prefix cache on: usage's "
             "prompt_tokens minus prompt_tokens_details.cached_tokens, median over rounds")
-    per_round = [a.wall_s / b.wall_s for a, b in zip(off, on, strict=True)]
+    # The floor is against sharing nothing: the cache-off arm with one prompt a request,
+    # or, when requests carry several prompts (which the gateway then shares), `separate`.
+    separate = [r for r in runs if r.name == "separate"]
     floor = {"floor": CPU_FLOOR} if on_cpu else {}
-    rec("prefix_mc_speedup", statistics.median(per_round), "ratio", **floor,
-        per_round=[round(x, 3) for x in per_round],
+    per_round = [a.wall_s / b.wall_s for a, b in zip(off, on, strict=True)]
+    rec("prefix_mc_speedup", statistics.median(per_round), "ratio",
+        **({} if separate else floor), per_round=[round(x, 3) for x in per_round],
         how="wall time with the prefix cache off over on, the same requests, median of the "
             "rounds' ratios")
+    for arm in (off, on) if separate else ():
+        ratios = [s.wall_s / r.wall_s for s, r in zip(separate, arm, strict=True)]
+        rec("prefix_mc_speedup", statistics.median(ratios), "ratio", over="separate",
+            arm=arm[0].name, **(floor if arm is on else {}),
+            per_round=[round(x, 3) for x in ratios],
+            how="wall time of each batch's prompts sent as a request each (cache off) over "
+                "this arm's batched requests, median of the rounds' ratios")
     a = np.array([x for p in off[0].logprobs for x in p[1:-1]], dtype=np.float64)
     b = np.array([x for p in on[0].logprobs for x in p[1:-1]], dtype=np.float64)
     mismatched = sum(x != y for p, q in zip(off[0].greedy, on[0].greedy, strict=True)
@@ -201,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         for round_ in range(args.rounds):
             arms = [("off", 0), ("on", args.prefix_cache_bytes)]
+            if args.batch > 1:
+                arms.append(("separate", 0))
             for name, cache_bytes in arms if round_ % 2 == 0 else arms[::-1]:
                 runs.append(run_arm(server, name, round_, args.model, cache_bytes, prompts,
                                     context_lengths, args.batch, Path(logs)))

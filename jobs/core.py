@@ -123,10 +123,11 @@ def model_and_prefix_root(name: str) -> Plan:
 
 def prefix_holder(token_ids: list[int] | None, root: bytes | None,
                   salt: str | None = None) -> Plan:
-    """The live worker that keeps the longest routed prefix of `token_ids` (`jobs.prefixes`:
-    its routing entries under `root` salted with `salt`, then its heartbeat), or None: no
-    ids, no root (no worker keeps a prefix cache for the model), no entry, or a holder that
-    is gone."""
+    """The live worker with room that keeps the longest routed prefix of `token_ids`
+    (`jobs.prefixes`: its routing entries under `root` salted with `salt`, then its
+    heartbeat and own queue's length), or None: no ids, no root (no worker keeps a prefix
+    cache for the model), no entry, a holder that is gone, or one with
+    ``prefixes.ROUTE_MAX_WAITING`` jobs waiting for it already."""
     if token_ids is None or root is None:
         return None
     root = prefixes.salted(bytes.fromhex(root.decode()), salt)
@@ -136,10 +137,12 @@ def prefix_holder(token_ids: list[int] | None, root: bytes | None,
         return None
     holders = yield reads(*(("get", keys.prefix_route(key)) for key in routed))
     holder = next((h for h in reversed(holders) if h is not None), None)
-    alive = False
+    alive, waiting = False, 0
     if holder is not None:
-        (alive,) = yield reads(("exists", keys.worker_heartbeat(holder.decode())))
-    return protocol.live_holder(holder, bool(alive))
+        alive, waiting = yield reads(
+            ("exists", keys.worker_heartbeat(holder.decode())),
+            ("llen", rq_queue_key(keys.own_queue(holder.decode()))))
+    return protocol.live_holder(holder, bool(alive) and waiting < prefixes.ROUTE_MAX_WAITING)
 
 
 def tokenizer_blob(info: ModelInfo) -> Plan:

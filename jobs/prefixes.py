@@ -26,6 +26,10 @@ from collections.abc import Sequence
 BLOCK_TOKENS = 32
 KEY_BYTES = 16
 ROUTE_TTL_S = 600  # a routing entry outlives its last refresh by this long
+# A holder with this many jobs waiting in its own queue has no room: a job goes to intake
+# instead, where any worker takes it (a worker's resident jobs, `DEFAULT_MAX_ACTIVE`, are
+# as many; one more waiting behind them costs more than a cold prefill elsewhere saves).
+ROUTE_MAX_WAITING = 8
 _KEY_VERSION = "prefillq prefix v1"
 
 

@@ -209,3 +209,21 @@ def test_jobs_share_blocks_only_with_their_own_cache_salt_and_are_routed_by_it(s
     reused = {salt: (client.status(j).reuse, client.status(j).cached_tokens)
               for salt, j in jobs.items()}
     assert reused == {None: ("cold", 0), "tenant-b": ("cold", 0), "tenant-a": ("prefix", 96)}
+
+
+def test_a_holder_with_a_full_own_queue_gets_no_more_jobs(setup, tiny):
+    from jobs import keys
+    from jobs.prefixes import ROUTE_MAX_WAITING
+    from jobs.queues import rq_queue_key
+
+    worker, client = setup(prefix_cache_bytes=BUDGET)
+    context = ids(100, 12)
+    client.submit(tokens=context + [300], model=MODEL)
+    worker.work(burst=True)
+    worker.register_models()
+    jobs = [client.submit(tokens=context + [301 + i], model=MODEL)
+            for i in range(ROUTE_MAX_WAITING + 2)]
+    own, intake = rq_queue_key(keys.own_queue("w1")), rq_queue_key(keys.intake_queue(MODEL))
+    assert (client.redis.llen(own), client.redis.llen(intake)) == (ROUTE_MAX_WAITING, 2)
+    worker.work(burst=True)
+    assert all(client.status(j).state == JobState.FINISHED for j in jobs)
