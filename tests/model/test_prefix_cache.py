@@ -255,3 +255,41 @@ def test_prompt_logprobs_survive_reuse_as_a_cold_prefill_gives_them(tiny, chunk)
 def test_prompt_logprobs_survive_reuse_on_gemma3_270m_past_its_window(gemma):
     rng = np.random.default_rng(15)
     _assert_logprobs_survive(gemma, _ids(rng, 600, 100_000), 576, 256, rng, 100_000)
+
+
+def test_after_eviction_a_prompt_reuses_what_is_left_as_a_cold_prefill_would(tiny):
+    rng = np.random.default_rng(16)
+    context = _ids(rng, 130, tiny.vocab_size)  # 4 whole blocks, past the 16-token window
+    first, keys = _prefix_prefill(tiny, context, PrefixCache(1 << 30, BLOCK_TOKENS),
+                                  prompt_logprobs=2)
+    first.run()
+    per_block = token_bytes(first.cache) * BLOCK_TOKENS
+    prefixes = PrefixCache(int(2.5 * per_block), BLOCK_TOKENS)  # room for 2 blocks (and K)
+    prefixes.insert(keys, first.cache, first.logprobs)
+    assert prefixes.longest(keys) == 2  # the last two evicted, the prefix's start kept
+    other = _ids(rng, 40, tiny.vocab_size)  # 1 more block: the first prompt's tail goes
+    held = _prefix_prefill(tiny, other, PrefixCache(1 << 30, BLOCK_TOKENS))
+    held[0].run()
+    prefixes.insert(held[1], held[0].cache)
+    assert prefixes.longest(keys) == 1  # the other prompt's blocks took one more
+    prompt = context[:120] + [int(t) for t in rng.integers(3, tiny.vocab_size, 20)]
+    warm, _ = _prefix_prefill(tiny, prompt, prefixes, prompt_logprobs=2)
+    assert warm.cached_tokens == prefixes.longest(keys) * BLOCK_TOKENS
+    got = warm.run()
+    cold = tiny.start_prefill(prompt, prompt_logprobs=2)
+    ref = cold.run()
+    assert float(np.abs(got - ref).max()) <= REUSE_BOUND * float(np.abs(ref).max())
+    assert int(got.argmax()) == int(ref.argmax())
+    a, b = warm.logprobs, cold.logprobs
+    scale = float(np.nanmax(np.abs(b.token_logprob)))
+    assert float(np.nanmax(np.abs(a.token_logprob - b.token_logprob))) <= REUSE_BOUND * scale
+    np.testing.assert_array_equal(a.top_ids, b.top_ids)
+
+
+@pytest.mark.slow
+def test_smollm2_reuses_prefixes_and_their_prompt_logprobs():
+    from model.registry import load_model
+
+    smollm2 = load_model("smollm2-135m")  # global attention only, grouped queries
+    rng = np.random.default_rng(17)
+    _assert_logprobs_survive(smollm2, _ids(rng, 300, 40_000), 288, 128, rng, 40_000)
