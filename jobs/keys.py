@@ -63,6 +63,9 @@ PREFIX_BYTES = PREFIX + ":prefix-bytes"
 # a prefix block's key (hex) -> the name of a worker that keeps the block; a few blocks of each
 # kept prompt (`jobs.prefixes.route_blocks`), expiring (`jobs.prefixes.ROUTE_TTL_S`)
 PREFIX_ROUTE = PREFIX + ":prefix:{key}"
+# a prefix block's rows (msgpack, `model.prefix_state`) in the shared tier's store, written by
+# the worker that kept it (``--prefix-store``); it expires (`worker.shared_prefixes`)
+PREFIX_BLOCK = PREFIX + ":prefix-block:{key}"
 
 # priorities that have an intake queue, per model (a set of ints)
 PRIORITIES = PREFIX + ":priorities:{model}"
@@ -148,6 +151,11 @@ def worker_models(worker: str) -> str:
 
 def session_holder(session: str) -> str:
     return SESSION_HOLDER.format(session=session)
+
+
+def prefix_block(key: bytes) -> str:
+    """A prefix block's rows in the shared tier's store (`worker.shared_prefixes`)."""
+    return PREFIX_BLOCK.format(key=key.hex())
 
 
 def prefix_route(key: bytes) -> str:

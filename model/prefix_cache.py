@@ -107,6 +107,23 @@ class PrefixCache:
         self._touch(keys[:n])
         return n
 
+    def get(self, key: bytes) -> PrefixBlock | None:
+        """Block `key` if held (its use is not recorded)."""
+        return self._blocks.get(key)
+
+    def add(self, keys: Sequence[bytes], blocks: Sequence[PrefixBlock]) -> None:
+        """Hold `blocks` (fetched from a shared store: `model.prefix_state`) as the blocks
+        of `keys` (one prefix's, in order), replacing any held, touched as `longest`
+        touches a prefix (its tail evicted first); then evict past `max_bytes`."""
+        for key, block in zip(keys, blocks, strict=True):
+            held = self._blocks.pop(key, None)
+            if held is not None:
+                self.nbytes -= held.nbytes
+            self._blocks[key] = block
+            self.nbytes += block.nbytes
+        self._touch(keys)
+        self._evict()
+
     def missing(self, keys: Sequence[bytes], k: int | None = None) -> bool:
         """Whether `insert` would add or complete a block of `keys` (one not held, or held
         without prompt logprobs of `k` top entries where `k` is given)."""

@@ -25,6 +25,9 @@ from model.prefix_cache import PREFIX, PrefixCache, prefix_prefill
 from model.registry import LoadedModel
 
 from .active import ActiveJob
+from .checkpoints.store import open_store
+from .settings import WorkerSettings
+from .shared_prefixes import SharedBlocks
 
 log = logging.getLogger("prefillq.worker")
 
@@ -34,6 +37,10 @@ class PrefixBlocks:
     first, a prefix's tail before its head: `model.prefix_cache.PrefixCache`); with a Redis
     `connection`, the routing entries of the blocks it keeps name `worker`.
 
+    With `shared` (``--prefix-store``), the blocks it keeps are written to a store other
+    workers read, and a job whose prefix is not held here fetches the blocks the store holds
+    while fetching is measured cheaper than computing (`worker.shared_prefixes`).
+
     Attributes:
         reused_tokens, reused_jobs: prompt tokens restored from held blocks instead of
             computed, and the jobs that started so, since the worker started.
@@ -42,14 +49,25 @@ class PrefixBlocks:
     """
 
     def __init__(self, max_bytes: int, connection=None, worker: str = "",
-                 block_tokens: int = BLOCK_TOKENS):
+                 block_tokens: int = BLOCK_TOKENS, shared: SharedBlocks | None = None):
         self.cache = PrefixCache(max_bytes, block_tokens)
-        self.connection, self.worker = connection, worker
+        self.connection, self.worker, self.shared = connection, worker, shared
         self.reused_tokens = self.reused_jobs = 0
         # block key -> the job that will insert it when it finishes (set at its start)
         self.capturing: dict[bytes, str] = {}
         self._roots: dict[str, bytes] = {}
         self._started: set[str] = set()  # jobs started here, until they leave (`outcomes`)
+
+    @classmethod
+    def of_settings(cls, settings: WorkerSettings, connection, worker: str
+                    ) -> PrefixBlocks | None:
+        """A worker's prefix cache as its `settings` say (``prefix_cache_bytes``, 0: None;
+        ``prefix_store``: its shared tier's store, `open_store`)."""
+        if not settings.prefix_cache_bytes:
+            return None
+        shared = (None if settings.prefix_store is None
+                  else SharedBlocks(open_store(settings.prefix_store, connection)))
+        return cls(settings.prefix_cache_bytes, connection, worker, shared=shared)
 
     def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,
                 chunk_tokens: int | None, prompt_logprobs: int | None,
@@ -70,6 +88,12 @@ class PrefixBlocks:
         keys = block_keys(token_ids, salted(self.root(loaded), salt), B)
         reusable = keys[: (len(token_ids) - 1) // B]
         held = self.cache.longest(reusable, prompt_logprobs)
+        if self.shared is not None and held < len(reusable) and self.shared.pays:
+            fetched, blocks = self.shared.fetch(reusable[held:], self._layers(loaded), B,
+                                                prompt_logprobs)
+            if blocks:
+                self.cache.add(fetched, blocks)
+                held = self.cache.longest(reusable, prompt_logprobs)
         owner = self.capturing.get(reusable[held]) if held < len(reusable) else None
         if owner is not None and owner != job_id and live(owner):
             return None
@@ -110,6 +134,10 @@ class PrefixBlocks:
             self._roots[loaded.sha256] = root_key(loaded.sha256, layout)
         return self._roots[loaded.sha256]
 
+    def _layers(self, loaded: LoadedModel) -> int:
+        """Layers of `loaded`'s cache (a fetched block must have as many)."""
+        return len(loaded.model.make_cache(loaded.dtype).layers)
+
     # -- JobHooks -------------------------------------------------------------------------
 
     def started(self, active: ActiveJob, record: JobRecord) -> None:
@@ -119,7 +147,13 @@ class PrefixBlocks:
         return False
 
     def chunk_done(self, active: ActiveJob) -> None:
-        pass
+        """A chunk's seconds per token, for the shared tier's fetch-or-compute choice."""
+        if self.shared is not None:
+            p = active.prefill
+            ends = (p.plan.start, *p.plan.boundaries)
+            if p.cursor in ends[1:]:
+                self.shared.computed(p.last_chunk_seconds,
+                                     p.cursor - ends[ends.index(p.cursor) - 1])
 
     def handing_back(self, active: ActiveJob, *, last: bool) -> None:
         pass
@@ -138,6 +172,8 @@ class PrefixBlocks:
         except Exception:
             log.exception("job %s: its prefix blocks were not kept", active.job_id)
             return
+        if self.shared is not None:
+            self.shared.write(self.cache, active.prefix_keys)
         self.publish(active.model, active.prefix_keys)
 
     def publish(self, loaded: LoadedModel, prefix_keys: list[bytes]) -> None:

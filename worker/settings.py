@@ -64,6 +64,9 @@ class WorkerSettings:
         checkpoint_max_bytes: jobs whose cache is larger are not checkpointed.
         prefix_cache_bytes: bound on the prefix cache's blocks of KV rows kept across jobs
             (`worker.prefixes.PrefixBlocks`); 0 turns it off.
+        prefix_store: with a prefix cache, the store its shared tier writes blocks to and
+            fetches them from (`worker.shared_prefixes`; URLs as ``checkpoint_store``'s,
+            ``redis`` for this queue's Redis); None: no shared tier.
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
         limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
@@ -84,5 +87,6 @@ class WorkerSettings:
     checkpoint_every: str | None = DEFAULT_CHECKPOINT_EVERY
     checkpoint_max_bytes: int | None = None
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_store: str | None = None
     publish_tokenizers: bool = True
     limits: Limits = field(default_factory=Limits)

@@ -76,8 +76,7 @@ class Stepper(Starts):
         self.connection, self.name, self.models = connection, name, models
         self.faults, self.sessions, self.checkpointing = faults, sessions, checkpointing
         # the prefix cache across jobs (``settings.prefix_cache_bytes``), None when off
-        self.prefixes = (PrefixBlocks(settings.prefix_cache_bytes, connection, name)
-                         if settings.prefix_cache_bytes else None)
+        self.prefixes = PrefixBlocks.of_settings(settings, connection, name)
         # what follows each job's life besides its chunks (`JobHooks`), told in this order
         self.hooks: tuple[JobHooks, ...] = tuple(
             h for h in (checkpointing, sessions, self.prefixes) if h is not None)

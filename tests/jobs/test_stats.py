@@ -185,7 +185,7 @@ def test_the_read_is_two_round_trips_and_three_with_other_priorities(conn):
     enqueue(conn, "j1", "a")
     s, sent = read_with_round_trips(conn)
     assert len(sent) == 2 and s.queue_depth == {"a": 1}
-    assert [len(r) for r in sent] == [3, 2 + 4]  # 2 per model, 4 per worker
+    assert [len(r) for r in sent] == [3, 2 + 5]  # 2 per model, 5 per worker
     enqueue(conn, "j2", "a", priority=3)
     s, sent = read_with_round_trips(conn)
     assert sent[2] == [("llen", rq_queue_key(keys.intake_queue("a", 3)))]
@@ -201,12 +201,13 @@ def test_the_plan_decodes_canned_replies_without_redis():
            b"chunk_le:0.003": b"9"}  # a bound no longer in use is ignored
     second = plan.send([raw, [b"m"], [b"w"]])
     assert [c[0] for c in second] == ["smembers", "llen", "exists", "smembers", "scard",
-                                      "llen"]
+                                      "llen", "hget"]
     with pytest.raises(StopIteration) as done:
-        plan.send([set(), 4, 1, {b"m"}, 2, 1])
+        plan.send([set(), 4, 1, {b"m"}, 2, 1, b"4096"])
     s = done.value.value
     assert (s.submitted, s.finished, s.tokens_prefilled) == (7, 4, 100)
     assert (s.chunks.count, s.chunks.sum_seconds) == (4, 12.5)
     assert s.chunks.cumulative[:2] == (0, 3) and s.chunks.cumulative[-1] == 4
     assert (s.queue_depth, s.routed, s.prefilling, s.live_workers) == ({"m": 4}, 1, 2,
                                                                        {"m": 1})
+    assert s.prefix_bytes == 4096  # the live worker's prefix cache

@@ -227,3 +227,53 @@ def test_a_holder_with_a_full_own_queue_gets_no_more_jobs(setup, tiny):
     assert (client.redis.llen(own), client.redis.llen(intake)) == (ROUTE_MAX_WAITING, 2)
     worker.work(burst=True)
     assert all(client.status(j).state == JobState.FINISHED for j in jobs)
+
+
+def test_a_worker_fetches_another_workers_blocks_from_the_shared_tier(setup, tiny):
+    from jobs import keys
+
+    w1, client = setup(name="w1", prefix_cache_bytes=BUDGET, prefix_store="redis")
+    w2, _ = setup(name="w2", prefix_cache_bytes=BUDGET, prefix_store="redis")
+    context = ids(100, 13)  # 3 whole blocks
+    client.submit(tokens=context + [300], model=MODEL, prompt_logprobs=1)
+    w1.work(burst=True)
+    stored = [k for k in client.redis.keys(keys.PREFIX_BLOCK.format(key="*"))]
+    assert len(stored) == 3  # w1 wrote the blocks it kept
+    later = context[:90] + ids(20, 14)[1:]
+    job = client.submit(tokens=later, model=MODEL, logits="full", prompt_logprobs=1)
+    w2.work(burst=True)  # w1 is gone (a burst's end): the job went to intake
+    status = client.status(job)
+    assert (status.worker, status.reuse, status.cached_tokens) == ("w2", "prefix", 64)
+    assert w2.prefixes.shared.fetched_tokens == 64 and w2.prefixes.shared.fetch_s_per_token
+    _assert_cold_logits(_full_logits(client, job), tiny, later)
+    cold = tiny.start_prefill(later, prompt_logprobs=1)
+    cold.run()
+    got = client.result(job, timeout=0).prompt_logprobs
+    want = cold.logprobs.token_logprob[1 : len(later)]
+    scale = float(np.nanmax(np.abs(want)))
+    assert max(abs(e["logprob"] - w) for e, w in zip(got[1:-1], want, strict=True)) \
+        <= REUSE_BOUND * scale
+
+
+def test_the_shared_tier_is_not_fetched_from_while_computing_is_cheaper(setup, tiny):
+    from jobs import keys
+
+    w1, client = setup(name="w1", prefix_cache_bytes=BUDGET, prefix_store="redis")
+    w2, _ = setup(name="w2", prefix_cache_bytes=BUDGET, prefix_store="redis")
+    context = ids(100, 15)
+    client.submit(tokens=context + [300], model=MODEL)
+    w1.work(burst=True)
+    w2.prefixes.shared.fetch_s_per_token = 1.0  # measured: a fetched token costs 1 s
+    w2.prefixes.shared.compute_s_per_token = 1e-3
+    slow = client.submit(tokens=context + [301], model=MODEL)
+    w2.work(burst=True)
+    assert client.status(slow).reuse == "cold" and w2.prefixes.shared.fetched_tokens == 0
+    # a corrupt block in the store costs a cold prefill, never the job
+    key = client.redis.keys(keys.PREFIX_BLOCK.format(key="*"))
+    w3, _ = setup(name="w3", prefix_cache_bytes=BUDGET, prefix_store="redis")
+    for k in key:
+        client.redis.set(k, b"not msgpack")
+    job = client.submit(tokens=context + [302], model=MODEL)
+    w3.work(burst=True)
+    status = client.status(job)
+    assert (status.state, status.worker, status.reuse) == (JobState.FINISHED, "w3", "cold")

@@ -30,7 +30,7 @@ from .loading import load_models
 CLI_SETTINGS = ("chunk_tokens", "max_active", "max_batch_jobs", "step_tokens", "kv_budget_bytes",
                 "result_ttl_s", "logits_ttl_s", "heartbeat_ttl_s", "session_slots",
                 "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes",
-                "prefix_cache_bytes")
+                "prefix_cache_bytes", "prefix_store")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -152,6 +152,11 @@ def add_kept_caches(worker) -> None:
                         help="keep KV rows of finished prompts' 32-token blocks, within this "
                              "many bytes, for later jobs that share a prefix (no session "
                              "needed); 0 turns it off (default: %(default)s)")
+    worker.add_argument("--prefix-store", metavar="URL", type=checkpoint_store,
+                        help="with --prefix-cache-bytes, also write kept blocks to this store "
+                             "(redis for this queue's Redis, redis://... or file:///dir) and "
+                             "fetch other workers' blocks from it while a fetch is measured "
+                             "cheaper than computing (default: off)")
     worker.add_argument("--checkpoint-store", metavar="URL", type=checkpoint_store,
                         help="where KV checkpoints go: redis://... or file:///shared/dir, "
                              "the same for every worker of a queue (default: this queue's "
