@@ -7,8 +7,8 @@ lm-evaluation-harness: ``logits.argmax(-1) == continuation`` over the continuati
 positions). A multiple-choice question asks it once per choice with the same context, and a
 classifier once per label. Here the context's prefill runs once; each continuation then runs
 from a fork of its cache (`ModelCache.fork`: the context's rows are shared, not copied or
-recomputed), every continuation of a step in one packed forward pass where the model packs
-(`Prefill.launch_all`).
+recomputed), the continuations packed into forward passes of at most a chunk's tokens where
+the model packs (`Prefill.launch_all`).
 
 Continuation token j (``c_j``) is scored by the logits after ``context + c[:j]``: those of
 the context's last position for ``c_0`` (the context's final logits), and the head on the
