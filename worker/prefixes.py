@@ -14,6 +14,8 @@ budget covers every model the worker serves (a block's key names its model file)
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from jobs import keys
@@ -30,6 +32,9 @@ from .settings import WorkerSettings
 from .shared_prefixes import SharedBlocks
 
 log = logging.getLogger("prefillq.worker")
+
+# Published prefixes whose last write time is remembered (`PrefixBlocks._refresh`).
+ROUTED_PREFIXES = 65_536
 
 
 class PrefixBlocks:
@@ -57,6 +62,8 @@ class PrefixBlocks:
         self.capturing: dict[bytes, str] = {}
         self._roots: dict[str, bytes] = {}
         self._started: set[str] = set()  # jobs started here, until they leave (`outcomes`)
+        # a published prefix's last block key -> when its routing entries were written
+        self._routed: OrderedDict[bytes, float] = OrderedDict()
 
     @classmethod
     def of_settings(cls, settings: WorkerSettings, connection, worker: str
@@ -108,7 +115,16 @@ class PrefixBlocks:
         if prefill.cached_tokens:
             self.reused_tokens += prefill.cached_tokens
             self.reused_jobs += 1
+            self._refresh(loaded, reusable[: prefill.cached_tokens // B])
         return prefill, keys
+
+    def _refresh(self, loaded: LoadedModel, held: list[bytes]) -> None:
+        """Publish the routing entries of a reused prefix `held` again when they were last
+        written more than half their TTL ago (or never, for this prefix), so a prefix that
+        keeps being reused here keeps being routed here (one round trip a prefix at most
+        every ``ROUTE_TTL_S / 2`` seconds)."""
+        if time.monotonic() - self._routed.get(held[-1], -ROUTE_TTL_S) > ROUTE_TTL_S / 2:
+            self.publish(loaded, held)
 
     def outcomes(self, finished: Sequence[ActiveJob]) -> tuple[int, int]:
         """(hits, misses): how many of the `finished` jobs that started here reused a prefix
@@ -191,3 +207,8 @@ class PrefixBlocks:
                 pipe.execute()
         except Exception as e:
             log.warning("prefix routing entries not written: %r", e)
+            return
+        self._routed[prefix_keys[-1]] = time.monotonic()
+        self._routed.move_to_end(prefix_keys[-1])
+        if len(self._routed) > ROUTED_PREFIXES:
+            self._routed.popitem(last=False)

@@ -277,3 +277,26 @@ def test_the_shared_tier_is_not_fetched_from_while_computing_is_cheaper(setup, t
     w3.work(burst=True)
     status = client.status(job)
     assert (status.state, status.worker, status.reuse) == (JobState.FINISHED, "w3", "cold")
+
+
+def test_a_reused_prefix_keeps_its_routing_entries_alive(setup, tiny):
+    from jobs import keys
+    from jobs.prefixes import ROUTE_TTL_S
+
+    worker, client = setup(prefix_cache_bytes=BUDGET, max_batch_jobs=1)
+    context = ids(100, 16)  # 3 whole blocks
+    client.submit(tokens=context + [300], model=MODEL)
+    worker.work(burst=True)
+    entries = client.redis.keys(keys.PREFIX_ROUTE.format(key="*"))
+    assert entries
+    for entry in entries:
+        client.redis.expire(entry, 5)  # as if written long ago
+    worker.prefixes._routed.clear()
+    client.submit(tokens=context + [301], model=MODEL)
+    worker.work(burst=True)  # it reuses the 3 blocks: their entries are written again
+    assert all(client.redis.ttl(e) > ROUTE_TTL_S - 60 for e in entries)
+    for entry in entries:  # a second reuse soon after writes nothing
+        client.redis.expire(entry, 5)
+    client.submit(tokens=context + [302], model=MODEL)
+    worker.work(burst=True)
+    assert all(client.redis.ttl(e) <= 5 for e in entries)
