@@ -74,6 +74,9 @@ class PrefixBlocks:
             return None
         shared = (None if settings.prefix_store is None
                   else SharedBlocks(open_store(settings.prefix_store, connection)))
+        log.info("prefix cache: up to %d bytes of %d-token blocks%s",
+                 settings.prefix_cache_bytes, BLOCK_TOKENS,
+                 "" if shared is None else f", shared through {type(shared.store).__name__}")
         return cls(settings.prefix_cache_bytes, connection, worker, shared=shared)
 
     def prefill(self, loaded: LoadedModel, token_ids: Sequence[int], *, job_id: str,

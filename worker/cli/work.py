@@ -91,7 +91,8 @@ def add_worker(sub) -> None:
     add_redis(worker)
     worker.add_argument("--name")
     worker.add_argument("--model", action="append",
-                        help="model to serve: a registry name or NAME=/path.gguf (repeatable)")
+                        help="model to serve: a registry name or NAME=/path.gguf (repeatable; "
+                             f"default {DEFAULT_MODEL})")
     worker.add_argument("--chunk-tokens", type=positive_int,
                         help="cap on chunk size in tokens (default: 2,048, window-aligned)")
     worker.add_argument("--max-active", type=positive_int, default=DEFAULT_MAX_ACTIVE,
