@@ -48,49 +48,54 @@ def batch_jobs(inputs: Sequence[dict[str, Any]], limits: Limits) -> list[Job]:
     one for each group of token-id prompts whose first ``MIN_SHARED_TOKENS`` ids agree: its
     prompt is the group's longest common prefix (at most one token short of its shortest
     prompt) and each member's rest a continuation, within `limits`' continuations a job and
-    their tokens together."""
-    jobs: list[Job] = []
-    open_groups: dict[tuple[int, ...], list[int]] = {}  # first ids -> a group being filled
-    groups: list[list[int]] = []
+    their tokens together. Linear in the batch's tokens."""
+    open_groups: dict[tuple[int, ...], _Group] = {}  # first ids -> a group being filled
+    groups: list[_Group] = []
     for n, i in enumerate(inputs):
         ids = i.get("tokens")
         if ids is None or len(ids) <= MIN_SHARED_TOKENS:
-            groups.append([n])
+            groups.append(_Group(n, None))
             continue
         key = tuple(ids[:MIN_SHARED_TOKENS])
         group = open_groups.get(key)
-        if group is None or not _fits(group + [n], inputs, limits):
-            group = open_groups[key] = []
+        if group is None or not group.add(n, ids, limits):
+            group = open_groups[key] = _Group(n, ids)
             groups.append(group)
-        group.append(n)
+    jobs = []
     for group in groups:
-        if len(group) == 1:
-            jobs.append(Job(dict(inputs[group[0]]), group))
+        if len(group.members) == 1:
+            jobs.append(Job(dict(inputs[group.members[0]]), group.members))
             continue
-        ids = [inputs[n]["tokens"] for n in group]
-        context = ids[0][:_common(ids)]
+        prompts = [inputs[n]["tokens"] for n in group.members]
+        context = prompts[0][: group.common]
         jobs.append(Job({"tokens": context,
-                         "continuations": [p[len(context):] for p in ids]}, group))
+                         "continuations": [p[group.common :] for p in prompts]},
+                        group.members))
     return jobs
 
 
-def _common(prompts: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix of `prompts`, at most one short of the shortest
-    (each keeps a continuation of one token at least)."""
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        n = next((j for j in range(n) if p[j] != first[j]), n)
-    return n
+class _Group:
+    """Prompts being gathered into one job: the batch indices, the first prompt's ids, the
+    common prefix's length so far (one short of the shortest prompt at most) and the
+    prompts' tokens together."""
 
+    def __init__(self, n: int, ids: Sequence[int] | None):
+        self.members, self.first = [n], ids
+        self.common = 0 if ids is None else len(ids) - 1
+        self.tokens = 0 if ids is None else len(ids)
 
-def _fits(group: list[int], inputs: Sequence[dict[str, Any]], limits: Limits) -> bool:
-    """Whether `group`'s prompts make one job within `limits`' continuations."""
-    if len(group) > limits.max_continuations:
-        return False
-    ids = [inputs[n]["tokens"] for n in group]
-    context = _common(ids)
-    return sum(len(p) - context for p in ids) <= limits.max_continuation_tokens
+    def add(self, n: int, ids: Sequence[int], limits: Limits) -> bool:
+        """Take prompt `n` (`ids`) if the group then still makes one job within `limits`'
+        continuations a job and their tokens together; whether it did."""
+        common = min(self.common, len(ids) - 1)
+        common = next((j for j in range(common) if ids[j] != self.first[j]), common)
+        members, tokens = len(self.members) + 1, self.tokens + len(ids)
+        if (members > limits.max_continuations
+                or tokens - members * common > limits.max_continuation_tokens):
+            return False
+        self.members.append(n)
+        self.common, self.tokens = common, tokens
+        return True
 
 
 def answers(jobs: Sequence[Job], results: Sequence[PrefillResult]) -> list[PrefillResult]:
