@@ -31,7 +31,7 @@ def test_the_cache_on_arm_reuses_the_system_prompt_in_every_job(tmp_path):
     assert (off["hit_rate"], off["cached_tokens"], off["routed"]) == (0, 0, 0)
     # the warm-up job kept the system prompt's 3 whole blocks on one worker; a job that
     # lands on the other worker first runs cold there (and keeps them), so all but one hit
-    assert on["hit_rate"] >= 5 / 6
+    assert on["hit_rate"] >= round(5 / 6, 4)  # the record rounds to 4 places
     assert on["cached_tokens"] >= 5 * 96
     assert 0 <= on["routed"] <= 6
     assert records["system_prompt_speedup", None]["value"] > 0
