@@ -99,7 +99,10 @@ def chunk_head(model: PrefillModel, every: mx.array, targets: Sequence[int], k: 
     token = mx.take_along_axis(logprobs, target, axis=-1)[:, 0]
     if k == 0:
         return token, mx.zeros((n, 0), mx.int32), mx.zeros((n, 0), mx.float32)
-    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+    if k == 1:  # a reduction, where argpartition sorts each row on a GPU (see below)
+        ids = mx.argmax(logprobs, axis=-1, keepdims=True).astype(mx.int32)
+    else:
+        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
     return token, ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
