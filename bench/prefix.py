@@ -129,6 +129,7 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     worker = f"p-{name}-{round_}"
+    served = model.partition("=")[0]  # NAME=/path.gguf: the worker serves it as NAME
     procs = [_spawn(["worker", "--redis", server.url, "--name", worker, "--model", model,
                      "--prefix-cache-bytes", str(cache_bytes)], logs / f"{worker}.log"),
              _spawn(["serve", "--redis", server.url, "--port", str(port), "--log-level",
@@ -140,9 +141,9 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
         with httpx.Client(base_url=url, timeout=3600) as http:
             # the tokenizer, MLX's kernels; a prompt no context starts with, so the measured
             # requests find nothing of theirs held
-            score(http, model, [prompts[0][:1] + prompts[0][40:0:-1]], 1)
+            score(http, served, [prompts[0][:1] + prompts[0][40:0:-1]], 1)
             t0 = time.perf_counter()
-            submitted, reused, choices = score(http, model, prompts, batch,
+            submitted, reused, choices = score(http, served, prompts, batch,
                                                separate=name == "separate")
             wall_s = time.perf_counter() - t0
     finally:
@@ -204,6 +205,8 @@ def build_parser():
     p.add_argument("--prefix-cache-bytes", type=int, default=DEFAULT_CACHE_BYTES,
                    help=f"the cache-on arm's budget (default {DEFAULT_CACHE_BYTES})")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
+    p.add_argument("--logs", type=Path, metavar="DIR",
+                   help="keep the workers' and gateways' logs here (default: discarded)")
     return p
 
 
@@ -225,14 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         "request": "POST /v1/completions, token ids, echo, logprobs=1, max_tokens=1"}
     rec = Recorder(args.json, context, args.out)
     runs = []
-    with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
+    with RedisServer() as server, tempfile.TemporaryDirectory() as scratch:
+        logs = args.logs or Path(scratch)
+        logs.mkdir(parents=True, exist_ok=True)
         for round_ in range(args.rounds):
             arms = [("off", 0), ("on", args.prefix_cache_bytes)]
             if args.batch > 1:
                 arms.append(("separate", 0))
             for name, cache_bytes in arms if round_ % 2 == 0 else arms[::-1]:
                 runs.append(run_arm(server, name, round_, args.model, cache_bytes, prompts,
-                                    context_lengths, args.batch, Path(logs)))
+                                    context_lengths, args.batch, logs))
     report(rec, runs, on_cpu=mx.default_device() == mx.cpu)
     for line in rec.bounds_report():  # a missed bound is a measurement: exit status 0
         log(line)

@@ -81,6 +81,7 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
     conn = redis.Redis.from_url(server.url)
     conn.flushall()
     workers = [f"s-{name}-{round_}-{i}" for i in range(n_workers)]
+    served = model.partition("=")[0]  # NAME=/path.gguf: the workers serve it as NAME
     procs = [_spawn(["worker", "--redis", server.url, "--name", w, "--model", model,
                      "--prefix-cache-bytes", str(cache_bytes)], logs / f"{w}.log")
              for w in workers]
@@ -88,12 +89,12 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
         for w in workers:
             _wait(lambda w=w: conn.exists(keys.worker_heartbeat(w)), 300, f"worker {w}")
         client = PrefillClient.from_url(server.url)
-        warm = client.submit(tokens=system + [TOKEN_IDS[0]], model=model, top_k=1)
+        warm = client.submit(tokens=system + [TOKEN_IDS[0]], model=served, top_k=1)
         client.result(warm, timeout=600)
         submitted_at, job_ids = [], []
         for ids in prompts:
             submitted_at.append(time.perf_counter())
-            job_ids.append(client.submit(tokens=ids, model=model, top_k=1))
+            job_ids.append(client.submit(tokens=ids, model=served, top_k=1))
         routed = routed_jobs(conn, workers)
         waits = []
         for job_id, t0 in zip(job_ids, submitted_at, strict=True):
