@@ -1,5 +1,5 @@
 """python -m bench.prefix [--model gemma3-tiny] [--contexts 100] [--batch 1] [--rounds 1]
-                         [--prefix-cache-bytes B] [--json] [--out FILE]
+                         [--prefix-cache-bytes B] [--seed N] [--logs DIR] [--json] [--out FILE]
 
 lm-eval-shaped multiple choice through the HTTP gateway, a worker's prefix cache off against
 on (issue 27). Each of `--contexts` contexts of 200-800 tokens (BOS then random ids) gets 4
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,17 +41,16 @@ import redis
 from jobs import keys
 from worker.redis_server import RedisServer, free_port
 
+from .cache_arms import MODEL, add_arm_flags, alternate, log_bounds, served_name, vocab_size
 from .common import Recorder, bench_parser, log, machine_context, refuse_existing
 from .gateway import _spawn, _up, _wait
 from .load import TOKEN_IDS
 
-MODEL = "gemma3-tiny"
 CONTEXT_TOKENS = (200, 800)
 CONTINUATION_TOKENS = (3, 20)
 CHOICES = 4
 CEILING = 0.35  # issue 27: prompt tokens computed over submitted, cache on
 CPU_FLOOR = 2.5  # issue 27: wall time cache off over cache on, on a CPU
-DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     worker = f"p-{name}-{round_}"
-    served = model.partition("=")[0]  # NAME=/path.gguf: the worker serves it as NAME
+    served = served_name(model)
     procs = [_spawn(["worker", "--redis", server.url, "--name", worker, "--model", model,
                      "--prefix-cache-bytes", str(cache_bytes)], logs / f"{worker}.log"),
              _spawn(["serve", "--redis", server.url, "--port", str(port), "--log-level",
@@ -197,29 +195,21 @@ def report(rec: Recorder, runs: list[ArmRun], on_cpu: bool) -> None:
 
 def build_parser():
     p = bench_parser("python -m bench.prefix", __doc__)
-    p.add_argument("--model", default=MODEL, help=f"a registry name (default {MODEL})")
     p.add_argument("--contexts", type=int, default=100, help="contexts (default 100)")
     p.add_argument("--batch", type=int, default=1,
                    help="prompts a request, as lm-eval's batch_size (default 1)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of both arms (default 1)")
-    p.add_argument("--prefix-cache-bytes", type=int, default=DEFAULT_CACHE_BYTES,
-                   help=f"the cache-on arm's budget (default {DEFAULT_CACHE_BYTES})")
-    p.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
-    p.add_argument("--logs", type=Path, metavar="DIR",
-                   help="keep the workers' and gateways' logs here (default: discarded)")
+    add_arm_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
-    from model.registry import load_model
-
     p = build_parser()
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
-    vocab_size = load_model(args.model).vocab_size if args.model != MODEL else 0
-    prompts, context_lengths = plan_requests(args.contexts, args.model, vocab_size, args.seed)
+    prompts, context_lengths = plan_requests(args.contexts, args.model,
+                                             vocab_size(args.model), args.seed)
     context = machine_context("prefix", redis=True) | {
         "model": args.model, "contexts": args.contexts, "choices": CHOICES,
         "context_tokens": CONTEXT_TOKENS, "continuation_tokens": CONTINUATION_TOKENS,
@@ -227,20 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         "prefix_cache_bytes": args.prefix_cache_bytes,
         "request": "POST /v1/completions, token ids, echo, logprobs=1, max_tokens=1"}
     rec = Recorder(args.json, context, args.out)
-    runs = []
-    with RedisServer() as server, tempfile.TemporaryDirectory() as scratch:
-        logs = args.logs or Path(scratch)
-        logs.mkdir(parents=True, exist_ok=True)
-        for round_ in range(args.rounds):
-            arms = [("off", 0), ("on", args.prefix_cache_bytes)]
-            if args.batch > 1:
-                arms.append(("separate", 0))
-            for name, cache_bytes in arms if round_ % 2 == 0 else arms[::-1]:
-                runs.append(run_arm(server, name, round_, args.model, cache_bytes, prompts,
-                                    context_lengths, args.batch, logs))
+    runs = alternate(args, lambda server, name, round_, cache_bytes, logs: run_arm(
+        server, name, round_, args.model, cache_bytes, prompts, context_lengths, args.batch,
+        logs), extra=[("separate", 0)] if args.batch > 1 else [])
     report(rec, runs, on_cpu=mx.default_device() == mx.cpu)
-    for line in rec.bounds_report():  # a missed bound is a measurement: exit status 0
-        log(line)
+    log_bounds(rec)
     return 0
 
 

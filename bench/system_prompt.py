@@ -1,6 +1,7 @@
 """python -m bench.system_prompt [--model gemma3-tiny] [--jobs 200] [--workers 3]
                                 [--system-tokens 2000] [--rounds 1]
-                                [--prefix-cache-bytes B] [--json] [--out FILE]
+                                [--prefix-cache-bytes B] [--seed N] [--logs DIR] [--json]
+                                [--out FILE]
 
 A chat backend's traffic: every job is one shared system prompt (`--system-tokens`, BOS then
 random ids) plus its own user message (50-150 random ids), submitted as token ids through
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +33,13 @@ from jobs import PrefillClient, keys
 from jobs.queues import rq_queue_key
 from worker.redis_server import RedisServer
 
+from .cache_arms import MODEL, add_arm_flags, alternate, log_bounds, served_name, vocab_size
 from .common import Recorder, bench_parser, log, machine_context, refuse_existing
 from .gateway import _spawn, _wait
 from .load import TOKEN_IDS
 
-MODEL = "gemma3-tiny"
 USER_TOKENS = (50, 150)
 CPU_FLOOR = 5.0  # issue 27: mean time to result, cache off over on, on a CPU
-DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def run_arm(server: RedisServer, name: str, round_: int, model: str, cache_bytes
     conn = redis.Redis.from_url(server.url)
     conn.flushall()
     workers = [f"s-{name}-{round_}-{i}" for i in range(n_workers)]
-    served = model.partition("=")[0]  # NAME=/path.gguf: the workers serve it as NAME
+    served = served_name(model)
     procs = [_spawn(["worker", "--redis", server.url, "--name", w, "--model", model,
                      "--prefix-cache-bytes", str(cache_bytes)], logs / f"{w}.log")
              for w in workers]
@@ -135,45 +134,32 @@ def report(rec: Recorder, runs: list[ArmRun], on_cpu: bool) -> None:
 
 def build_parser():
     p = bench_parser("python -m bench.system_prompt", __doc__)
-    p.add_argument("--model", default=MODEL, help=f"a registry name (default {MODEL})")
     p.add_argument("--jobs", type=int, default=200, help="jobs an arm (default 200)")
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--system-tokens", type=int, default=2000,
                    help="the system prompt's tokens, BOS included (default 2000)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of both arms (default 1)")
-    p.add_argument("--prefix-cache-bytes", type=int, default=DEFAULT_CACHE_BYTES,
-                   help=f"the cache-on arm's budget (default {DEFAULT_CACHE_BYTES})")
-    p.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
+    add_arm_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
-    from model.registry import load_model
-
     p = build_parser()
     args = p.parse_args(argv)
     refuse_existing(p, args.out)
-    vocab_size = load_model(args.model).vocab_size if args.model != MODEL else 0
-    system, prompts = plan_jobs(args.jobs, args.system_tokens, args.model, vocab_size,
-                                args.seed)
+    system, prompts = plan_jobs(args.jobs, args.system_tokens, args.model,
+                                vocab_size(args.model), args.seed)
     context = machine_context("system_prompt", redis=True) | {
         "model": args.model, "jobs": args.jobs, "workers": args.workers,
         "system_tokens": args.system_tokens, "user_tokens": USER_TOKENS,
         "rounds": args.rounds, "seed": args.seed, "prefix_cache_bytes": args.prefix_cache_bytes,
         "submit": "token ids through PrefillClient, all at once after one warm-up job"}
     rec = Recorder(args.json, context, args.out)
-    runs = []
-    with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
-        for round_ in range(args.rounds):
-            arms = [("off", 0), ("on", args.prefix_cache_bytes)]
-            for name, cache_bytes in arms if round_ % 2 == 0 else arms[::-1]:
-                runs.append(run_arm(server, name, round_, args.model, cache_bytes,
-                                    args.workers, system, prompts, Path(logs)))
+    runs = alternate(args, lambda server, name, round_, cache_bytes, logs: run_arm(
+        server, name, round_, args.model, cache_bytes, args.workers, system, prompts, logs))
     report(rec, runs, on_cpu=mx.default_device() == mx.cpu)
-    for line in rec.bounds_report():  # a missed bound is a measurement: exit status 0
-        log(line)
+    log_bounds(rec)
     return 0
 
 

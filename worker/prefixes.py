@@ -60,7 +60,7 @@ class PrefixBlocks:
         self.reused_tokens = self.reused_jobs = 0
         # block key -> the job that will insert it when it finishes (set at its start)
         self.capturing: dict[bytes, str] = {}
-        self._roots: dict[str, bytes] = {}
+        self._layouts: dict[str, tuple[bytes, int]] = {}  # model sha256 -> root, layers
         self._started: set[str] = set()  # jobs started here, until they leave (`outcomes`)
         # a published prefix's last block key -> when its routing entries were written
         self._routed: OrderedDict[bytes, float] = OrderedDict()
@@ -148,14 +148,20 @@ class PrefixBlocks:
     def root(self, loaded: LoadedModel) -> bytes:
         """The root key of `loaded`'s prompts here (`jobs.prefixes.root_key` over its file
         and its cache's layout, no salt)."""
-        if loaded.sha256 not in self._roots:
-            layout = loaded.model.make_cache(loaded.dtype).layout()
-            self._roots[loaded.sha256] = root_key(loaded.sha256, layout)
-        return self._roots[loaded.sha256]
+        return self._layout(loaded)[0]
 
     def _layers(self, loaded: LoadedModel) -> int:
         """Layers of `loaded`'s cache (a fetched block must have as many)."""
-        return len(loaded.model.make_cache(loaded.dtype).layers)
+        return self._layout(loaded)[1]
+
+    def _layout(self, loaded: LoadedModel) -> tuple[bytes, int]:
+        """`loaded`'s root key and its cache's layer count, from one empty cache a model
+        file."""
+        if loaded.sha256 not in self._layouts:
+            cache = loaded.model.make_cache(loaded.dtype)
+            self._layouts[loaded.sha256] = (root_key(loaded.sha256, cache.layout()),
+                                            len(cache.layers))
+        return self._layouts[loaded.sha256]
 
     # -- JobHooks -------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,6 +122,22 @@ def long_job_in_flight(client: PrefillClient, worker: WorkerProcess, seed: int,
     wait_for(lambda: client.status(job).cursor >= 40, 60,
              f"{worker.name} never advanced the job", worker)
     return job, token_ids
+
+
+@contextmanager
+def redis_and_worker(tmp: Path, name: str, *worker_args: str):
+    """A real redis-server in `tmp` and one worker process `name` on it (`WorkerProcess`,
+    `worker_args` its extra flags), once registered; yields ``(server, worker)`` and stops
+    both (the server also when the worker fails to start)."""
+    server = RedisServer(tmp).start()
+    try:
+        worker = WorkerProcess(server.url, name, tmp, *worker_args)
+        try:
+            yield server, worker
+        finally:
+            worker.stop()
+    finally:
+        server.stop()
 
 
 def expected_top(tiny, token_ids, k):

@@ -15,7 +15,7 @@ from jobs import AsyncPrefillClient, PrefillClient, keys
 from jobs.gateway import create_app
 from jobs.serializer import packb
 from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, WorkerProcess, ids, wait_for
+from tests.integration.processes import MODEL, ids, redis_and_worker, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -28,15 +28,12 @@ def anyio_backend():
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A redis-server and one worker process (4-token chunks), shared by this module."""
-    tmp = tmp_path_factory.mktemp("gateway")
-    server = RedisServer(tmp).start()
     # One-job steps: a job's floats then do not depend on the jobs that share its step, so the
     # gateway's numbers compare bitwise with a native job's (packed steps agree within the
     # exactness bound: tests/worker/test_packed_steps.py).
-    worker = WorkerProcess(server.url, "gw1", tmp, "--max-batch-jobs", "1")
-    yield server, worker
-    worker.stop()
-    server.stop()
+    with redis_and_worker(tmp_path_factory.mktemp("gateway"), "gw1",
+                          "--max-batch-jobs", "1") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import PrefillClient
-from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, WorkerProcess
+from tests.integration.processes import MODEL, redis_and_worker
 from tests.integration.test_gateway import gateway
 from tests.jobs.test_gateway_completions import assert_spelled
 
@@ -23,15 +22,12 @@ TEXTS = ["a 𓀀𓀁 b ", "Héllo ✓ 日本 🤗\n\n  x", "<bos>Paris"]
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     """A redis-server and one worker process, shared by this module."""
-    tmp = tmp_path_factory.mktemp("gateway-echo")
-    server = RedisServer(tmp).start()
     # One-job steps: a job's floats then do not depend on the jobs that share its step, so the
     # gateway's numbers compare bitwise with a native job's (packed steps agree within the
     # exactness bound: tests/worker/test_packed_steps.py).
-    worker = WorkerProcess(server.url, "gwe1", tmp, "--max-batch-jobs", "1")
-    yield server.url
-    worker.stop()
-    server.stop()
+    with redis_and_worker(tmp_path_factory.mktemp("gateway-echo"), "gwe1",
+                          "--max-batch-jobs", "1") as (server, _):
+        yield server.url
 
 
 @pytest.fixture

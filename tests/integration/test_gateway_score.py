@@ -15,8 +15,7 @@ from jobs import keys
 from jobs.aio import AsyncPrefillClient
 from model.logprobs import logprobs_of
 from model.registry import load_model
-from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, WorkerProcess
+from tests.integration.processes import MODEL, redis_and_worker
 from tests.integration.test_gateway import error_of, gateway
 
 pytestmark = pytest.mark.anyio
@@ -27,12 +26,8 @@ LABELS = [300, 301, 302]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway-score")
-    server = RedisServer(tmp).start()
-    worker = WorkerProcess(server.url, "gsc1", tmp)
-    yield server.url
-    worker.stop()
-    server.stop()
+    with redis_and_worker(tmp_path_factory.mktemp("gateway-score"), "gsc1") as (server, _):
+        yield server.url
 
 
 @pytest.fixture(scope="module")

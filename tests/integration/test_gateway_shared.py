@@ -12,8 +12,7 @@ import pytest
 
 from jobs import PrefillClient, keys
 from jobs.gateway.shared import MIN_SHARED_TOKENS
-from tests.conftest import RedisServer
-from tests.integration.processes import MODEL, WorkerProcess
+from tests.integration.processes import MODEL, redis_and_worker
 from tests.integration.test_gateway import gateway
 
 pytestmark = pytest.mark.anyio
@@ -24,12 +23,8 @@ BOUND = 5e-6
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway-shared")
-    server = RedisServer(tmp).start()
-    worker = WorkerProcess(server.url, "gws1", tmp)
-    yield server.url
-    worker.stop()
-    server.stop()
+    with redis_and_worker(tmp_path_factory.mktemp("gateway-shared"), "gws1") as (server, _):
+        yield server.url
 
 
 def _ids(rng, n: int) -> list[int]:
