@@ -27,7 +27,7 @@ from .schema import JobState, LogitsMode
 SAMPLE_PROMPT = "The capital of France is"
 # The `SubmitRequest` fields ``prefillq submit`` takes as flags, beside the prompt's source
 # (`prompt_input`); each flag defaults to the field's default.
-SUBMIT_FLAGS = ("model", "top_k", "logits", "session", "priority", "chunk_tokens",
+SUBMIT_FLAGS = ("model", "top_k", "logits", "session", "priority", "tenant", "chunk_tokens",
                 "prompt_logprobs", "continuations")
 SUBMIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SubmitRequest)}
 
@@ -266,6 +266,8 @@ def add_submit(sub) -> None:
                              "session's next job prefills only what its prompt adds")
     submit.add_argument("--priority", type=int, default=SUBMIT_DEFAULTS["priority"],
                         help="higher is admitted first (default 0)")
+    submit.add_argument("--tenant", help="whose job: tenants share the workers by weighted "
+                        "fair share of tokens prefilled (default: none)")
     submit.add_argument("--chunk-tokens", type=positive_int, help="per-job cap on chunk size")
     submit.add_argument("--prompt-logprobs", type=int, metavar="K",
                         help="per-position logprob and top K of the prompt (result --json)")

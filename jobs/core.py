@@ -17,7 +17,7 @@ from typing import Any
 
 from . import keys, prefixes, protocol, scripts, stats
 from .limits import Limits
-from .queues import intake_levels, new_admission, rq_queue_key
+from .queues import intake_levels_of, new_admission, rq_queue_key
 from .requests import ModelInfo, SubmitRequest, check_against_model
 from .schema import JobStatus, now
 from .values import name_of
@@ -154,10 +154,11 @@ def tokenizer_blob(info: ModelInfo) -> Plan:
 # -- submit ----------------------------------------------------------------------------
 
 def intake_depth(model_name: str) -> Plan:
-    """Jobs waiting in every intake queue of `model_name`."""
-    (members,) = yield reads(("smembers", keys.priorities(model_name)))
-    lengths = yield reads(*(("llen", rq_queue_key(keys.intake_queue(model_name, p)))
-                            for p in intake_levels(members)))
+    """Jobs waiting in every intake queue of `model_name`, the tenants' included."""
+    priorities, tenants = yield reads(("smembers", keys.priorities(model_name)),
+                                      ("smembers", keys.tenant_levels(model_name)))
+    lengths = yield reads(*(("llen", rq_queue_key(keys.intake_queue(model_name, p, t)))
+                            for p, t in intake_levels_of(model_name, priorities, tenants)))
     return sum(lengths)
 
 
@@ -195,7 +196,7 @@ def submit(request: SubmitRequest, limits: Limits, max_queue_depth: int,
             pipe.hset(keys.job(record.job_id), mapping=record.to_hash())
             # RQ's Job only holds `pipe` as its connection: nothing is sent through it
             new_admission(pipe, record.job_id, record.model, record.priority,
-                          worker=worker).send(pipe)
+                          worker=worker, tenant=record.tenant).send(pipe)
             stats.record_submitted(pipe)
 
         yield Trip(writes, transaction=True)

@@ -69,11 +69,20 @@ PREFIX_BLOCK = PREFIX + ":prefix-block:{key}"
 
 # priorities that have an intake queue, per model (a set of ints)
 PRIORITIES = PREFIX + ":priorities:{model}"
+# the tenants' intake queues of a model, each as "{priority}:{tenant}" (a set)
+TENANT_LEVELS = PREFIX + ":tenant-levels:{model}"
+# tenant -> its weight in the fair share (a float > 0; unknown tenants weigh 1), edited by
+# the operator (`prefillq worker --tenant-weights` writes it at start)
+TENANT_WEIGHTS = PREFIX + ":tenant-weights"
+# tenant -> its virtual service: tokens prefilled over its weight, lifted when it comes
+# back from idle (`worker.fair_share`; "" is the jobs submitted without a tenant)
+TENANT_SERVICE = PREFIX + ":tenant-service"
 
 # RQ queue names: one shared intake queue per model and priority (priority 0 has the plain
 # name), and each worker's own queue (jobs routed to it).
 INTAKE_QUEUE = "prefill:{model}"
 PRIORITY_INTAKE_QUEUE = "prefill:{model}:p{priority}"
+TENANT_INTAKE_QUEUE = "prefill:{model}:p{priority}:t:{tenant}"
 OWN_QUEUE = "prefill:w:{worker}"
 
 
@@ -171,7 +180,15 @@ def priorities(model: str) -> str:
     return PRIORITIES.format(model=model)
 
 
-def intake_queue(model: str, priority: int = 0) -> str:
+def tenant_levels(model: str) -> str:
+    return TENANT_LEVELS.format(model=model)
+
+
+def intake_queue(model: str, priority: int = 0, tenant: str | None = None) -> str:
+    """The intake queue of `model`'s jobs at `priority` of `tenant` (None: submitted
+    without one, the plain queues)."""
+    if tenant is not None:
+        return TENANT_INTAKE_QUEUE.format(model=model, priority=priority, tenant=tenant)
     if priority == 0:
         return INTAKE_QUEUE.format(model=model)
     return PRIORITY_INTAKE_QUEUE.format(model=model, priority=priority)

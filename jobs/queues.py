@@ -83,10 +83,13 @@ class AdmissionJob(Job):
         """Never sent: a webhook URL in a job's hash would make the worker request it."""
 
 
-def intake_queue(redis: Redis, model: str, priority: int = 0) -> Queue:
-    """The RQ intake queue of `model` at `priority` (msgpack serializer); a model has one per
-    priority ever used, listed in ``keys.priorities(model)``."""
-    return Queue(keys.intake_queue(model, priority), connection=redis,
+def intake_queue(redis: Redis, model: str, priority: int = 0, tenant: str | None = None
+                 ) -> Queue:
+    """The RQ intake queue of `model` at `priority` (msgpack serializer) for `tenant`'s jobs
+    (None: jobs submitted without a tenant). A model has one per priority ever used, listed
+    in ``keys.priorities(model)``, and one per tenant and priority, listed in
+    ``keys.tenant_levels(model)``."""
+    return Queue(keys.intake_queue(model, priority, tenant), connection=redis,
                  serializer=MsgpackSerializer, job_class=AdmissionJob)
 
 
@@ -106,19 +109,49 @@ def intake_levels(members: Iterable[bytes | int]) -> list[int]:
     return sorted({0} | {int(p) for p in members}, reverse=True)
 
 
+def tenant_levels(members: Iterable[bytes | str]) -> list[tuple[int, str]]:
+    """Decode SMEMBERS ``keys.tenant_levels(model)``: its ``(priority, tenant)`` pairs,
+    highest priority first, then by tenant (members that do not decode are skipped)."""
+    levels = set()
+    for member in members:
+        text = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
+        priority, sep, tenant = text.partition(":")
+        try:
+            if sep and tenant:
+                levels.add((int(priority), tenant))
+        except ValueError:
+            continue
+    return sorted(levels, key=lambda level: (-level[0], level[1]))
+
+
+def intake_levels_of(model: str, priority_members: Iterable[bytes | int],
+                     tenant_members: Iterable[bytes | str]) -> list[tuple[int, str | None]]:
+    """Every intake level of `model` as ``(priority, tenant)``, from SMEMBERS of
+    ``keys.priorities(model)`` and ``keys.tenant_levels(model)``: the plain queues (tenant
+    None) and the tenants', highest priority first."""
+    plain = [(p, None) for p in intake_levels(priority_members)]
+    return sorted(plain + tenant_levels(tenant_members), key=lambda level: -level[0])
+
+
 def rq_queue_key(name: str) -> str:
     """The Redis list RQ keeps queue `name` in (its LLEN is the queue's length)."""
     return Queue.redis_queue_namespace_prefix + name
 
 
-def new_queue_name(model: str, priority: int, worker: str | None) -> str:
-    """The queue a new job enters: `model`'s intake at `priority`, or `worker`'s own queue."""
-    return keys.intake_queue(model, priority) if worker is None else keys.own_queue(worker)
+def new_queue_name(model: str, priority: int, worker: str | None,
+                   tenant: str | None = None) -> str:
+    """The queue a new job enters: `model`'s intake at `priority` for `tenant`, or
+    `worker`'s own queue."""
+    if worker is not None:
+        return keys.own_queue(worker)
+    return keys.intake_queue(model, priority, tenant)
 
 
 def intake_depth(redis: Redis, model: str) -> int:
-    """Jobs waiting in every intake queue of `model`."""
-    return sum(len(intake_queue(redis, model, p)) for p in intake_priorities(redis, model))
+    """Jobs waiting in every intake queue of `model`, the tenants' included."""
+    levels = intake_levels_of(model, redis.smembers(keys.priorities(model)),
+                              redis.smembers(keys.tenant_levels(model)))
+    return sum(len(intake_queue(redis, model, p, t)) for p, t in levels)
 
 
 @dataclass(frozen=True)
@@ -163,13 +196,15 @@ def admission(connection, queue_name: str, job_id: str, *, at_front: bool = Fals
 
 
 def new_admission(connection, job_id: str, model: str, priority: int, *,
-                  worker: str | None = None) -> Admission:
-    """`admission` of a new job, on its intake queue at `priority` (recorded in
-    ``keys.priorities(model)``), or on `worker`'s own queue when it is routed there (a
-    session's next job goes to the worker that keeps the session's slot)."""
-    first = admission(connection, new_queue_name(model, priority, worker), job_id)
-    return Admission(first.rq_job_id,
-                     (("sadd", (keys.priorities(model), int(priority)), {}), *first.writes))
+                  worker: str | None = None, tenant: str | None = None) -> Admission:
+    """`admission` of a new job, on its intake queue at `priority` for `tenant` (recorded in
+    ``keys.priorities(model)``, or ``keys.tenant_levels(model)`` for a tenant), or on
+    `worker`'s own queue when it is routed there (a session's next job goes to the worker
+    that keeps the session's slot)."""
+    first = admission(connection, new_queue_name(model, priority, worker, tenant), job_id)
+    level = (("sadd", (keys.priorities(model), int(priority)), {}) if tenant is None else
+             ("sadd", (keys.tenant_levels(model), f"{int(priority)}:{tenant}"), {}))
+    return Admission(first.rq_job_id, (level, *first.writes))
 
 
 def enqueue_admission(queue: Queue, job_id: str, *, pipeline=None, at_front: bool = False) -> None:
@@ -185,9 +220,9 @@ def enqueue_admission(queue: Queue, job_id: str, *, pipeline=None, at_front: boo
 
 
 def enqueue_new(redis: Redis, job_id: str, model: str, priority: int, pipeline, *,
-                worker: str | None = None) -> None:
+                worker: str | None = None, tenant: str | None = None) -> None:
     """Send `new_admission`'s writes on `pipeline` (the caller executes it)."""
-    new_admission(redis, job_id, model, priority, worker=worker).send(pipeline)
+    new_admission(redis, job_id, model, priority, worker=worker, tenant=tenant).send(pipeline)
 
 
 def admission_job_id(job_id: str) -> str:
@@ -230,17 +265,26 @@ def _is_text(raw: bytes) -> bool:
 
 def requeue_to_intake(redis: Redis, job_id: str, pipeline=None, *,
                       at_front: bool = False) -> None:
-    """Enqueue `job_id` on its model's intake queue at its priority (inside `pipeline` when
-    given; at the queue's head with `at_front`). A stray execution of a job that is not
-    queued any more is skipped by the worker's START.
+    """Enqueue `job_id` on its model's intake queue at its priority, its tenant's (inside
+    `pipeline` when given; at the queue's head with `at_front`). A stray execution of a job
+    that is not queued any more is skipped by the worker's START.
 
     Raises:
         UnicodeDecodeError: the record's model is not UTF-8 (junk: no intake queue has it).
     """
-    model, priority = redis.hmget(keys.job(job_id), "model", "priority")
+    model, priority, tenant = redis.hmget(keys.job(job_id), "model", "priority", "tenant")
     if model is not None:  # an expired record needs no RQ job
-        queue = intake_queue(redis, model.decode(), _priority(priority))
+        queue = intake_queue(redis, model.decode(), _priority(priority), _tenant(tenant))
         enqueue_admission(queue, job_id, pipeline=pipeline, at_front=at_front)
+
+
+def _tenant(raw: bytes | None) -> str | None:
+    """The record's tenant, or None (none, or junk: a record the worker fails as corrupt
+    goes to the plain queue)."""
+    try:
+        return raw.decode() or None if raw is not None else None
+    except UnicodeDecodeError:
+        return None
 
 
 def _priority(raw: bytes | None) -> int:

@@ -44,6 +44,7 @@ class JobRecord:
     logits_mode: LogitsMode = LogitsMode.TOP_K
     parse_special: bool = True
     priority: int = 0
+    tenant: str | None = None  # whose job: the fair share's unit (None: no tenant)
     chunk_tokens: int | None = None
     session: str | None = None
     prompt_logprobs: int | None = None  # K: per-position logprobs and top K (None: off)

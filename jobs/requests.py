@@ -191,6 +191,7 @@ class SubmitRequest:
     parse_special: bool = True
     session: str | None = None
     priority: int = 0
+    tenant: str | None = None
     prompt_logprobs: int | None = None
     continuations: Sequence[str] | Sequence[Sequence[int]] | None = None
     cache_salt: str | None = None
@@ -210,9 +211,9 @@ class SubmitRequest:
             InvalidRequest: naming the field: no input or two; a prompt that is not a str,
                 is blank or holds a lone surrogate; tokens that are not a non-empty list of
                 ints (bools and floats refused); malformed messages (`check_messages`); a
-                model, session, cache_salt or idempotency_key that is not a non-empty str
-                of at most ``MAX_NAME_BYTES``; add_generation_prompt or parse_special not a
-                bool;
+                model, session, tenant, cache_salt or idempotency_key that is not a
+                non-empty str of at most ``MAX_NAME_BYTES``; add_generation_prompt or
+                parse_special not a bool;
                 top_k outside [0, limits.max_top_k]; logits not none/top_k/full; priority
                 outside [-MAX_PRIORITY, MAX_PRIORITY]; chunk_tokens < 1; max_attempts
                 outside [1, MAX_ATTEMPTS]; prompt_logprobs outside [0,
@@ -237,6 +238,7 @@ class SubmitRequest:
             logits=_logits_mode(self.logits),
             parse_special=flag("parse_special", self.parse_special),
             priority=int_in("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY),
+            tenant=name_of("tenant", self.tenant, optional=True),
             chunk_tokens=None if self.chunk_tokens is None else int_in(
                 "chunk_tokens", self.chunk_tokens, 1, MAX_CHUNK_TOKENS),
             session=session,

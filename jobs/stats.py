@@ -13,7 +13,7 @@ from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from . import keys
-from .queues import intake_levels, rq_queue_key
+from .queues import intake_levels_of, rq_queue_key
 from .schema import JobState
 
 # Prometheus's default buckets (s), 2-2.5x apart: 5 ms (a small chunk on a GPU) to 10 s, past
@@ -220,9 +220,10 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
     is sent their replies (in order); returns the decoded `ClusterStats`.
 
     Round trip 1 reads the counters and the registered models and workers; 2, per model its
-    intake priorities and priority-0 length, per worker its heartbeat, models, held jobs and
-    own queue; 3 (only when needed) the other priorities' lengths. The commands grow with
-    the registered models and workers, not with jobs. `read_cluster_stats` (redis.asyncio)
+    intake priorities, its tenants' levels and priority-0 length, per worker its heartbeat,
+    models, held jobs and own queue; 3 (only when needed) the other intake queues' lengths.
+    The commands grow with the registered models, workers and tenants' levels, not with
+    jobs. `read_cluster_stats` (redis.asyncio)
     and `read_cluster_stats_sync` (redis) only send these pipelines, so they cannot drift.
     """
     raw, model_names, worker_names = yield [
@@ -230,19 +231,22 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
     models, workers = _names(model_names), _names(worker_names)
     reads: Reads = []
     for m in models:
-        reads += [("smembers", keys.priorities(m)), ("llen", rq_queue_key(keys.intake_queue(m)))]
+        reads += [("smembers", keys.priorities(m)), ("smembers", keys.tenant_levels(m)),
+                  ("llen", rq_queue_key(keys.intake_queue(m)))]
     for w in workers:
         reads += [("exists", keys.worker_heartbeat(w)), ("smembers", keys.worker_models(w)),
                   ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.own_queue(w))),
                   ("hget", keys.PREFIX_BYTES, w)]
     replies = (yield reads) if reads else []
-    per_model, per_worker = replies[:2 * len(models)], replies[2 * len(models):]
-    depth = {m: per_model[2 * i + 1] for i, m in enumerate(models)}
-    others = [(m, p) for i, m in enumerate(models)
-              for p in intake_levels(per_model[2 * i]) if p != 0]
+    per_model, per_worker = replies[:3 * len(models)], replies[3 * len(models):]
+    depth = {m: per_model[3 * i + 2] for i, m in enumerate(models)}
+    others = [(m, p, t) for i, m in enumerate(models)
+              for p, t in intake_levels_of(m, per_model[3 * i], per_model[3 * i + 1])
+              if (p, t) != (0, None)]
     if others:
-        lengths = yield [("llen", rq_queue_key(keys.intake_queue(m, p))) for m, p in others]
-        for (m, _), n in zip(others, lengths, strict=True):
+        lengths = yield [("llen", rq_queue_key(keys.intake_queue(m, p, t)))
+                         for m, p, t in others]
+        for (m, _, _), n in zip(others, lengths, strict=True):
             depth[m] += n
     return _decode(raw, depth, per_worker)
 

@@ -32,6 +32,7 @@ class ActiveJob:
     first_started_at: float
     started_at: float
     session: str | None = None  # the session whose slot `slot` is (checked out for the job)
+    tenant: str | None = None  # whose job, for the fair share (`worker.fair_share`)
     slot: Any = None
     checkpoints: JobCheckpoints | None = None  # None: this job is not checkpointed
     # the keys of its prompt's blocks, kept in the worker's prefix cache once it finishes

@@ -6,7 +6,7 @@ resident jobs' cancel flags, the admission queues' lengths and the step's chunk 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from redis import Redis
@@ -25,22 +25,32 @@ class Probe:
         queue_keys: Redis keys of the RQ queues to admit from (empty: no room).
         chunks: the chunks the step computed, ``(seconds, tokens)`` each, whose stats are
             written (empty: no chunk ran, e.g. a cancel or an exact session hit).
+        service: tenant -> virtual service this worker charged since its last round trip,
+            added to ``keys.TENANT_SERVICE`` (`worker.fair_share`; best effort).
+        read_service: read ``keys.TENANT_SERVICE`` back (after those additions).
+        set_keys: Redis sets whose sizes are read (the tenants' intake levels: a new one is
+            seen within a step, not within the scheduler's refresh).
     """
 
     others: Sequence[str] = ()
     queue_keys: Sequence[str] = ()
     chunks: Sequence[tuple[float, int]] = ()
+    service: Mapping[str, float] = field(default_factory=dict)
+    read_service: bool = False
+    set_keys: Sequence[str] = ()
 
 
 @dataclass
 class Reply:
     """What came back: each script's reply (a str for a status word; a Redis error in place
     of a script that failed, e.g. ``OutOfMemoryError`` under maxmemory) and the probe's
-    answers."""
+    answers (`service`: HGETALL ``keys.TENANT_SERVICE``, None when not read or refused)."""
 
     outcomes: list
     canceled: list[str] = field(default_factory=list)
     intake_waiting: bool = False
+    service: dict | None = None
+    set_sizes: list[int] | None = None
 
     @property
     def outcome(self) -> str:
@@ -91,10 +101,20 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
     if errors:
         raise errors[0]
     flags, lengths = reads[:n_flags], reads[n_flags:]
+    service = None
+    at = len(calls) + len(reads) + len(probe.service)  # after the reads and the additions
+    if probe.read_service:
+        service = None if isinstance(replies[at], Exception) else replies[at]
+        at += 1
+    sizes = replies[at:at + len(probe.set_keys)] if probe.set_keys else None
+    if sizes is not None and any(isinstance(n, Exception) for n in sizes):
+        sizes = None
     return Reply(
         outcomes=[o.decode() if isinstance(o, bytes) else o for o in outcomes],
         canceled=[j for j, flagged in zip(probe.others, flags, strict=True) if flagged],
         intake_waiting=any(n > 0 for n in lengths),
+        service=service,
+        set_sizes=sizes,
     )
 
 
@@ -107,6 +127,12 @@ def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Pro
             pipe.exists(keys.cancel(job_id))
         for key in probe.queue_keys:
             pipe.llen(key)
+        for tenant, amount in probe.service.items():  # a refusal (maxmemory) is dropped
+            pipe.hincrbyfloat(keys.TENANT_SERVICE, tenant, amount)
+        if probe.read_service:
+            pipe.hgetall(keys.TENANT_SERVICE)
+        for key in probe.set_keys:
+            pipe.scard(key)
         if chunks:
             stats.record_chunks(pipe, chunks)
         return pipe.execute(raise_on_error=False)  # every reply, errors included

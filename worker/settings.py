@@ -67,6 +67,9 @@ class WorkerSettings:
         prefix_store: with a prefix cache, the store its shared tier writes blocks to and
             fetches them from (`worker.shared_prefixes`; URLs as ``checkpoint_store``'s,
             ``redis`` for this queue's Redis); None: no shared tier.
+        tenant_weights: tenant -> weight in the fair share between tenants
+            (`worker.fair_share`), until ``keys.TENANT_WEIGHTS`` says otherwise; a tenant
+            named in neither weighs 1.
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
         limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
@@ -88,5 +91,6 @@ class WorkerSettings:
     checkpoint_max_bytes: int | None = None
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     prefix_store: str | None = None
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     publish_tokenizers: bool = True
     limits: Limits = field(default_factory=Limits)

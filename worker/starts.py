@@ -72,10 +72,10 @@ class Starts:
             wave.add(record.job_id)
             room = None if room is None else room - nbytes
         for record in reversed(waiting):  # each to the head of its queue, in their order
-            self.scheduler.wait_for_room(record.job_id, record.model, record.priority)
+            self.scheduler.wait_for_room(record)
         started = self._take(starting) if starting else []
         for record in reversed(deferred):
-            self.scheduler.wait_for_prefix(record.job_id, record.model, record.priority)
+            self.scheduler.wait_for_prefix(record)
         return started
 
     def _prepare(self, record: JobRecord, live: Callable[[str], bool]) -> _Start | None:
@@ -153,6 +153,7 @@ class Starts:
             first_started_at=record.first_started_at or started,
             started_at=started,
             session=record.session if prepared.slot is not None else None,
+            tenant=record.tenant,
             slot=prepared.slot,
             checkpoints=prepared.checkpoints,
             prefix_keys=prepared.prefix_keys,

@@ -100,8 +100,8 @@ class Stepper(Starts):
         started = self.start(fresh)
         done = [active for active in started if active.prefill.done]
         if done:  # exact session hits: no chunk to run
-            reply = self.publish(done, Probe(queue_keys=self.scheduler.queue_keys()))
-            self.scheduler.saw_intake(reply.intake_waiting)
+            reply = self.publish(done, self.scheduler.probe([]))
+            self.scheduler.saw(reply)
 
     def score(self, done: list[ActiveJob], logits: dict[str, np.ndarray]) -> None:
         """Score the continuations of the `done` jobs that have them (`worker.active.score`);
@@ -178,12 +178,12 @@ class Stepper(Starts):
         if not landed:
             return
         stepped = {active.job_id for active, _ in landed}
-        probe = Probe(others=[j for j in self.active if j not in stepped],
-                      queue_keys=self.scheduler.queue_keys(leaving=bool(logits)),
-                      chunks=[(max(active.prefill.last_chunk_seconds, 1e-9), n)
-                              for active, n in landed])
+        probe = self.scheduler.probe([j for j in self.active if j not in stepped],
+                                     leaving=bool(logits),
+                                     chunks=[(max(active.prefill.last_chunk_seconds, 1e-9), n)
+                                             for active, n in landed])
         reply = self.record([active for active, _ in landed], probe, logits)
-        self.scheduler.saw_intake(reply.intake_waiting)
+        self.scheduler.saw(reply)
         for other in reply.canceled:
             if other in self.active:
                 self.advance_cancel(self.active[other])

@@ -128,12 +128,8 @@ class PrefillWorker(SimpleWorker):
         self.queue_class = TakingQueue.for_worker(name, connection)
         # (named apart from RQ's own `scheduler`, its scheduler of RQ jobs for later); the
         # priorities in use are re-read as often as the worker beats (a few per TTL)
-        self.prefill_scheduler = Scheduler(connection, list(models), self.own_queue,
-                                           max_active=settings.max_active,
-                                           kv_budget_bytes=settings.kv_budget_bytes,
-                                           max_batch_jobs=settings.max_batch_jobs,
-                                           step_tokens=settings.step_tokens,
-                                           refresh_s=self.heartbeat_ttl_s / 6)
+        self.prefill_scheduler = Scheduler.of(connection, list(models), self.own_queue,
+                                              settings, refresh_s=self.heartbeat_ttl_s / 6)
         every, store = settings.checkpoint_every, settings.checkpoint_store
         policy = CheckpointPolicy.parse(every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else

@@ -112,10 +112,11 @@ def register(conn, worker: str, models: list[str], *, alive: bool, held: int = 0
         conn.sadd(keys.worker_jobs(worker), f"{worker}-job{i}")
 
 
-def enqueue(conn, job_id: str, model: str, priority: int = 0, worker: str | None = None):
+def enqueue(conn, job_id: str, model: str, priority: int = 0, worker: str | None = None,
+            tenant: str | None = None):
     with conn.pipeline() as pipe:
         pipe.multi()
-        enqueue_new(conn, job_id, model, priority, pipe, worker=worker)
+        enqueue_new(conn, job_id, model, priority, pipe, worker=worker, tenant=tenant)
         pipe.execute()
 
 
@@ -185,11 +186,15 @@ def test_the_read_is_two_round_trips_and_three_with_other_priorities(conn):
     enqueue(conn, "j1", "a")
     s, sent = read_with_round_trips(conn)
     assert len(sent) == 2 and s.queue_depth == {"a": 1}
-    assert [len(r) for r in sent] == [3, 2 + 5]  # 2 per model, 5 per worker
+    assert [len(r) for r in sent] == [3, 3 + 5]  # 3 per model, 5 per worker
     enqueue(conn, "j2", "a", priority=3)
     s, sent = read_with_round_trips(conn)
     assert sent[2] == [("llen", rq_queue_key(keys.intake_queue("a", 3)))]
     assert s.queue_depth == {"a": 2}
+    enqueue(conn, "j3", "a", tenant="acme")  # a tenant's queue counts too
+    s, sent = read_with_round_trips(conn)
+    assert ("llen", rq_queue_key(keys.intake_queue("a", 0, "acme"))) in sent[2]
+    assert s.queue_depth == {"a": 3}
 
 
 def test_the_plan_decodes_canned_replies_without_redis():
@@ -200,10 +205,10 @@ def test_the_plan_decodes_canned_replies_without_redis():
            b"chunk_le:0.01": b"3", b"chunk_le:+Inf": b"1", b"chunk_seconds_sum": b"12.5",
            b"chunk_le:0.003": b"9"}  # a bound no longer in use is ignored
     second = plan.send([raw, [b"m"], [b"w"]])
-    assert [c[0] for c in second] == ["smembers", "llen", "exists", "smembers", "scard",
-                                      "llen", "hget"]
+    assert [c[0] for c in second] == ["smembers", "smembers", "llen", "exists", "smembers",
+                                      "scard", "llen", "hget"]
     with pytest.raises(StopIteration) as done:
-        plan.send([set(), 4, 1, {b"m"}, 2, 1, b"4096"])
+        plan.send([set(), set(), 4, 1, {b"m"}, 2, 1, b"4096"])
     s = done.value.value
     assert (s.submitted, s.finished, s.tokens_prefilled) == (7, 4, 100)
     assert (s.chunks.count, s.chunks.sum_seconds) == (4, 12.5)

@@ -91,6 +91,7 @@ BAD = {
     "parse_special": JUNK, "add_generation_prompt": JUNK,
     "session": st.one_of(st.just(""), st.just("s" * 2000), WITH_SURROGATE, JUNK),
     "idempotency_key": st.one_of(st.just(""), WITH_SURROGATE, JUNK),
+    "tenant": st.one_of(st.just(""), WITH_SURROGATE, JUNK),
 }
 MUTATION = st.sampled_from(sorted(BAD)).flatmap(lambda f: BAD[f].map(lambda v: (f, v)))
 REQUESTS = st.builds(lambda i, o, bad: {**o, **i, **dict(bad)}, INPUTS, OPTIONS,

@@ -14,7 +14,9 @@ import pytest
 import redis
 
 from jobs import PrefillClient
+from jobs.queues import own_queue
 from worker.checkpoints.store import FileStore, RedisStore
+from worker.scheduler import Scheduler
 from worker.settings import WorkerSettings
 from worker.worker import PrefillWorker
 
@@ -81,3 +83,14 @@ def counted(redis_server, tiny):
         return worker, PrefillClient(redis.Redis.from_url(redis_server))
 
     return make
+
+
+@pytest.fixture
+def make(tiny):
+    """``make(**options)``: a `worker.scheduler.Scheduler` of the tiny model on fakeredis,
+    with worker ``w1``'s own queue."""
+    def make_scheduler(**options) -> Scheduler:
+        conn = fakeredis.FakeStrictRedis()
+        return Scheduler(conn, [MODEL], own_queue(conn, "w1"), **options)
+
+    return make_scheduler

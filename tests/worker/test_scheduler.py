@@ -5,31 +5,22 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import fakeredis
 import pytest
 
-from jobs.queues import own_queue
 from model.planner import plan_chunks
 from worker.scheduler import Admit, Idle, Run, Scheduler
 
-from .helpers import MODEL, ids
+from .helpers import ids
 
 
-@pytest.fixture
-def make(tiny):
-    def make_scheduler(**options) -> Scheduler:
-        conn = fakeredis.FakeStrictRedis()
-        return Scheduler(conn, [MODEL], own_queue(conn, "w1"), **options)
-
-    return make_scheduler
-
-
-def resident(scheduler: Scheduler, tiny, chunks: dict[str, int], n_tokens: int = 64) -> None:
-    """Make jobs named by `chunks` resident, each planned in chunks of that many tokens."""
+def resident(scheduler: Scheduler, tiny, chunks: dict[str, int], n_tokens: int = 64,
+             tenant: str | None = None) -> None:
+    """Make jobs named by `chunks` resident, each planned in chunks of that many tokens, of
+    `tenant`."""
     for name, chunk in chunks.items():
         plan = plan_chunks(n_tokens, tiny.sliding_window, chunk_tokens=chunk)
         prefill = tiny.start_prefill(ids(n_tokens, len(name)), plan=plan)
-        scheduler.add(SimpleNamespace(job_id=name, prefill=prefill))
+        scheduler.add(SimpleNamespace(job_id=name, prefill=prefill, tenant=tenant))
 
 
 def turns(scheduler: Scheduler, n: int) -> list[tuple[str, ...]]:

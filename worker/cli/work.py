@@ -23,6 +23,7 @@ from jobs.defaults import (
 from jobs.limits import Limits
 
 from ..checkpoints.policy import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy, check_store_url
+from ..fair_share import parse_weights
 from ..settings import WorkerSettings
 from .loading import load_models
 
@@ -30,7 +31,7 @@ from .loading import load_models
 CLI_SETTINGS = ("chunk_tokens", "max_active", "max_batch_jobs", "step_tokens", "kv_budget_bytes",
                 "result_ttl_s", "logits_ttl_s", "heartbeat_ttl_s", "session_slots",
                 "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes",
-                "prefix_cache_bytes", "prefix_store")
+                "prefix_cache_bytes", "prefix_store", "tenant_weights")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -105,6 +106,11 @@ def add_worker(sub) -> None:
                         help="cap on the tokens of one step's chunks (a step always takes "
                              "its first job's chunk; default: 2,048 on a CPU, 8,192 on a "
                              "GPU)")
+    worker.add_argument("--tenant-weights", type=tenant_weights, default={},
+                        metavar="NAME=W,...",
+                        help="tenants' weights in the fair share of tokens prefilled (jobs "
+                             "submitted with tenant=NAME); an unnamed tenant weighs 1, and "
+                             "the Redis hash prefillq:tenant-weights overrides these")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
     add_kept_caches(worker)
@@ -139,6 +145,14 @@ def add_worker(sub) -> None:
                         help="seconds without a heartbeat before a worker counts as dead "
                              "(default: %(default)s)")
     worker.set_defaults(func=cmd_worker)
+
+
+def tenant_weights(text: str) -> dict[str, float]:
+    """argparse type of ``--tenant-weights`` (`worker.fair_share.parse_weights`)."""
+    try:
+        return parse_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_kept_caches(worker) -> None:

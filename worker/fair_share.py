@@ -1,0 +1,131 @@
+"""Weighted fair share between tenants, over tokens prefilled, a chunk at a time.
+
+The virtual token counter of VTC (Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024, Algorithm 2), with chunks as the unit: each tenant's service is the tokens its
+jobs have prefilled over its weight; the tenant with the least service goes first, both
+when a worker admits a waiting job and when it picks the jobs of a step; and a tenant that
+comes back after having nothing to run is lifted to the least service among the tenants that
+do, so it cannot bank credit while idle. Since every charge is one chunk (at most
+``step_tokens``), two backlogged tenants' weighted service stays within a few steps' tokens
+of each other on one worker.
+
+Across workers the counters live in Redis (``keys.TENANT_SERVICE``): each worker adds its
+charges there with its step's round trip and reads the sums back, so a worker orders tenants
+by the cluster's service as of its last round trip (one step old at most).
+
+Jobs submitted without a tenant share the tenant ``""`` (`tenant_of`); with no tenants at
+all, the order is the plain round robin and first-in first-out of before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+DEFAULT_WEIGHT = 1.0
+
+
+def tenant_of(tenant: str | None) -> str:
+    """The fair share's name of a job's tenant: ``""`` for a job submitted without one."""
+    return tenant or ""
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"a=2,b=0.5"`` as ``{"a": 2.0, "b": 0.5}`` (``--tenant-weights``).
+
+    Raises:
+        ValueError: an entry is not ``NAME=WEIGHT`` with a non-empty name and a finite
+            weight above 0.
+    """
+    weights = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, value = entry.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name or not 0 < weight < float("inf"):
+            raise ValueError(f"tenant weight {entry!r}: want NAME=WEIGHT with WEIGHT > 0")
+        weights[name] = weight
+    return weights
+
+
+def decode_weights(raw: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
+    """HGETALL ``keys.TENANT_WEIGHTS`` as ``{tenant: weight}``; entries that are not a
+    finite weight above 0 are skipped (the tenant then weighs `DEFAULT_WEIGHT`)."""
+    weights = {}
+    for name, value in raw.items():
+        try:
+            weight = float(value)
+            tenant = name.decode() if isinstance(name, bytes) else name
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if 0 < weight < float("inf"):
+            weights[tenant] = weight
+    return weights
+
+
+class FairShare:
+    """Each tenant's virtual service (tokens prefilled over its weight) as one worker knows
+    it: the cluster's sums as of the last read (`observe`) plus this worker's charges since
+    (`pending`, which its next round trip adds to Redis).
+
+    Args:
+        weights: tenant -> weight above 0; a tenant not named weighs `DEFAULT_WEIGHT`.
+    """
+
+    def __init__(self, weights: Mapping[str, float] | None = None):
+        self.weights: dict[str, float] = dict(weights or {})
+        self.service: dict[str, float] = {}
+        self.pending: dict[str, float] = {}
+        # a tenant other than "" has been seen: the service is read with every round trip
+        self.enabled = bool(self.weights)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, DEFAULT_WEIGHT)
+
+    def of(self, tenant: str) -> float:
+        """`tenant`'s virtual service (0 for one never served)."""
+        return self.service.get(tenant, 0.0)
+
+    def seen(self, tenant: str) -> None:
+        """A job of `tenant` is resident or waiting here."""
+        self.enabled = self.enabled or tenant != ""
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """`tenant`'s jobs prefill `tokens` more: its service grows by tokens / weight."""
+        amount = tokens / self.weight(tenant)
+        self.service[tenant] = self.of(tenant) + amount
+        self.pending[tenant] = self.pending.get(tenant, 0.0) + amount
+
+    def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
+        """`tenant` had nothing to run and now has a job: raise its service to the least of
+        the `backlogged` tenants' (VTC's counter lift; no change when none is backlogged or
+        it is ahead of them already)."""
+        floor = min((self.of(t) for t in backlogged if t != tenant), default=None)
+        if floor is not None and floor > self.of(tenant):
+            self.pending[tenant] = self.pending.get(tenant, 0.0) + floor - self.of(tenant)
+            self.service[tenant] = floor
+
+    def order(self, tenants: Iterable[str]) -> list[str]:
+        """`tenants`, least service first (ties by name)."""
+        return sorted(set(tenants), key=lambda t: (self.of(t), t))
+
+    def take_pending(self) -> dict[str, float]:
+        """The charges since the last call, for Redis (HINCRBYFLOAT each), and forget them;
+        none until a tenant is seen (`enabled`), so jobs without tenants cost Redis nothing
+        more a chunk."""
+        pending, self.pending = self.pending, {}
+        return pending if self.enabled else {}
+
+    def observe(self, raw: Mapping[bytes | str, bytes | str]) -> None:
+        """HGETALL ``keys.TENANT_SERVICE``, read after this worker's pending charges were
+        added: the cluster's service now (plus charges made since they were taken)."""
+        service = {}
+        for name, value in raw.items():
+            try:
+                service[name.decode() if isinstance(name, bytes) else name] = float(value)
+            except (ValueError, UnicodeDecodeError):
+                continue
+        for tenant, amount in self.pending.items():
+            service[tenant] = service.get(tenant, 0.0) + amount
+        self.service = service
