@@ -148,7 +148,8 @@ class PrefillClient:
                 more ids than the context (or ``limits.max_prompt_tokens``).
             UnknownModel: no registered worker serves `model`.
             TokenOutOfRange: a token id outside the model's vocabulary.
-            QueueFull: the model's intake queue is at `max_queue_depth`.
+            QueueFull: the model's intake queue is at `max_queue_depth`, or the job's
+                tenant has its quota of jobs queued (``keys.TENANT_MAX_QUEUED``).
             redis.exceptions.OutOfMemoryError: Redis refused the job's write (``maxmemory``
                 under ``noeviction``); nothing of the job was written, and its
                 `idempotency_key` is free again. Other RedisErrors (unreachable) likewise.

@@ -153,13 +153,18 @@ def tokenizer_blob(info: ModelInfo) -> Plan:
 
 # -- submit ----------------------------------------------------------------------------
 
-def intake_depth(model_name: str) -> Plan:
-    """Jobs waiting in every intake queue of `model_name`, the tenants' included."""
-    priorities, tenants = yield reads(("smembers", keys.priorities(model_name)),
-                                      ("smembers", keys.tenant_levels(model_name)))
+def intake_depth(model_name: str, tenant: str | None = None) -> Plan:
+    """``(waiting, tenant's waiting, tenant's quota)``: jobs waiting in every intake queue
+    of `model_name` (the tenants' included), those of `tenant`'s queues, and the most
+    ``keys.TENANT_MAX_QUEUED`` lets it have (None: no quota, or no `tenant`)."""
+    priorities, tenants, quota = yield reads(
+        ("smembers", keys.priorities(model_name)), ("smembers", keys.tenant_levels(model_name)),
+        ("hget", keys.TENANT_MAX_QUEUED, tenant or ""))
+    levels = intake_levels_of(model_name, priorities, tenants)
     lengths = yield reads(*(("llen", rq_queue_key(keys.intake_queue(model_name, p, t)))
-                            for p, t in intake_levels_of(model_name, priorities, tenants)))
-    return sum(lengths)
+                            for p, t in levels))
+    mine = sum(n for (_, t), n in zip(levels, lengths, strict=True) if t == tenant)
+    return sum(lengths), mine, None if tenant is None else protocol.quota(quota)
 
 
 def session_holder(session: str) -> Plan:
@@ -178,8 +183,8 @@ def submit(request: SubmitRequest, limits: Limits, max_queue_depth: int,
     record = request.checked(limits).record(uuid.uuid4().hex, now())
     info, prefix_root = yield from model_and_prefix_root(record.model)
     check_against_model(record, info, limits)
-    protocol.check_depth(record.model, (yield from intake_depth(record.model)),
-                         max_queue_depth)
+    protocol.check_depth(record.model, *(yield from intake_depth(record.model, record.tenant)),
+                         max_queue_depth, tenant=record.tenant)
     claim = None if record.idempotency_key is None else keys.idempotency(record.idempotency_key)
     if claim is not None:
         (claimed,) = yield Trip(lambda pipe: pipe.set(claim, record.job_id, nx=True,

@@ -74,6 +74,9 @@ TENANT_LEVELS = PREFIX + ":tenant-levels:{model}"
 # tenant -> its weight in the fair share (a float > 0; unknown tenants weigh 1), edited by
 # the operator (`prefillq worker --tenant-weights` writes it at start)
 TENANT_WEIGHTS = PREFIX + ":tenant-weights"
+# tenant -> the most jobs it may have waiting in one model's intake queues (a submit past
+# it raises QueueFull for that tenant only); an operator edits it, no entry: no quota
+TENANT_MAX_QUEUED = PREFIX + ":tenant-max-queued"
 # tenant -> its virtual service: tokens prefilled over its weight, lifted when it comes
 # back from idle (`worker.fair_share`; "" is the jobs submitted without a tenant)
 TENANT_SERVICE = PREFIX + ":tenant-service"

@@ -226,12 +226,14 @@ return 0
 TAKE = """
 local want, taken = tonumber(ARGV[1]), {}
 for i = 2, #KEYS do
-  while #taken < 2 * want do
+  local cap, got = tonumber(ARGV[i]) or want, 0
+  while #taken < 2 * want and got < cap do
     local id = redis.call('LPOP', KEYS[i])
     if not id then break end
     redis.call('SADD', KEYS[1], id)
     taken[#taken + 1] = KEYS[i]
     taken[#taken + 1] = id
+    got = got + 1
   end
 end
 return taken

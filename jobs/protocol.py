@@ -89,10 +89,26 @@ def tokenizer_of(model: ModelInfo, blob: bytes | None) -> ServedTokenizer:
     return ServedTokenizer.from_blob(blob)
 
 
-def check_depth(model: str, depth: int, max_queue_depth: int) -> None:
-    """Raises QueueFull when `model`'s intake queues hold `max_queue_depth` jobs or more."""
+def check_depth(model: str, depth: int, tenant_depth: int, tenant_quota: int | None,
+                max_queue_depth: int, tenant: str | None = None) -> None:
+    """Raises QueueFull when `model`'s intake queues hold `max_queue_depth` jobs or more, or
+    `tenant`'s hold its quota (``keys.TENANT_MAX_QUEUED``) or more: then only that tenant's
+    submits are refused."""
     if depth >= max_queue_depth:
         raise QueueFull(f"intake queues of {model} hold {max_queue_depth} jobs")
+    if tenant_quota is not None and tenant_depth >= tenant_quota:
+        raise QueueFull(f"tenant {tenant!r} has {tenant_depth} jobs queued for {model}, its "
+                        f"quota (prefillq:tenant-max-queued)")
+
+
+def quota(raw: bytes | None) -> int | None:
+    """HGET of a tenant's quota: a non-negative integer, else None (no quota; junk is
+    none, so a typo never refuses a tenant's every job)."""
+    try:
+        value = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 else None
 
 
 def not_found(job_id: object) -> JobNotFound:

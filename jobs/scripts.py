@@ -177,8 +177,10 @@ def release(key: str, owner: str) -> Call:
     return Call("release", (key,), (owner,))
 
 
-def take(taking_key: str, queue_keys: Sequence[str], count: int = 1) -> Call:
-    """Pop up to `count` RQ job ids of `queue_keys`, in order, and add each to the worker's
-    taking set `taking_key` in the same step. Replies ``[queue key, id, queue key, id,
-    ...]``, empty when the queues are."""
-    return Call("take", (taking_key, *queue_keys), (int(count),))
+def take(taking_key: str, queue_keys: Sequence[str], count: int = 1,
+         caps: Sequence[int] | None = None) -> Call:
+    """Pop up to `count` RQ job ids of `queue_keys`, in order, at most ``caps[i]`` of
+    ``queue_keys[i]`` (None: no cap but `count`), and add each to the worker's taking set
+    `taking_key` in the same step. Replies ``[queue key, id, queue key, id, ...]``, empty
+    when the queues are."""
+    return Call("take", (taking_key, *queue_keys), (int(count), *map(int, caps or ())))

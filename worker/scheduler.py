@@ -40,10 +40,12 @@ class Step:
 
 @dataclass(frozen=True)
 class Admit:
-    """Take one waiting job from the first of `queues` that holds one (own queue first,
-    then intake by priority); its first chunk runs in the next step."""
+    """Take waiting jobs from `queues` in order (own queue first, then intake by priority),
+    at most `caps[i]` from ``queues[i]`` (None: no cap but the room); their first chunks run
+    in the next step."""
 
     queues: list[Queue]
+    caps: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Scheduler:
             bound beyond `max_batch_jobs`).
         tenant_weights: tenant -> weight in the fair share, until ``keys.TENANT_WEIGHTS``
             is read (an operator's edits there win).
+        tenant_max_resident: jobs of one tenant resident here at most (None: no quota).
 
     Raises:
         ValueError: `step_tokens` is not positive.
@@ -102,7 +105,8 @@ class Scheduler:
     def __init__(self, connection, models: list[str], own: Queue, *,
                  max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None,
                  refresh_s: float = 1.0, max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS,
-                 step_tokens: int | None = None, tenant_weights: dict | None = None):
+                 step_tokens: int | None = None, tenant_weights: dict | None = None,
+                 tenant_max_resident: int | None = None):
         if step_tokens is not None and step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.connection, self.models, self.own = connection, list(models), own
@@ -116,6 +120,8 @@ class Scheduler:
         self.intake_waiting = True  # as of the last round trip: a queue to admit from holds one
         self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
         self.fair = FairShare(tenant_weights)
+        self.tenant_max_resident = tenant_max_resident
+        self._queue_tenants: dict[str, str] = {}  # intake queue key -> its tenant
         # the intake levels in use, (priority, tenant, model) each, as last read
         self._levels: list[tuple[int, str | None, str]] | None = None
         self._level_counts: list[int] | None = None  # tenants' levels per model, as read
@@ -128,7 +134,8 @@ class Scheduler:
         return cls(connection, models, own, max_active=settings.max_active,
                    kv_budget_bytes=settings.kv_budget_bytes, refresh_s=refresh_s,
                    max_batch_jobs=settings.max_batch_jobs, step_tokens=settings.step_tokens,
-                   tenant_weights=settings.tenant_weights)
+                   tenant_weights=settings.tenant_weights,
+                   tenant_max_resident=settings.tenant_max_resident)
 
     # -- the decision -------------------------------------------------------------------
 
@@ -140,7 +147,7 @@ class Scheduler:
         if self.intake_waiting:
             queues = self.queues()
             if queues:
-                return Admit(queues)
+                return Admit(queues, self.caps(queues))
         step = self.next_step()
         if step is None:
             return Idle()
@@ -275,15 +282,42 @@ class Scheduler:
             return []
         if self._levels is None or time.monotonic() >= self._intake_read_at + self.refresh_s:
             self._levels, self._intake_read_at = self._read_levels(), time.monotonic()
-        levels = self._levels
-        if full:
-            held = {tenant_of(a.tenant) for a in self.resident.values()}
-            levels = [level for level in levels if tenant_of(level[1]) not in held]
+        held = self.held()
+        quota = self.tenant_max_resident
+        levels = [level for level in self._levels
+                  if not (full and tenant_of(level[1]) in held)
+                  and (quota is None or held.get(tenant_of(level[1]), 0) < quota)]
         # (-priority, service, tenant, model)
         order = sorted(levels, key=lambda level: (
             -level[0], self.fair.of(tenant_of(level[1])), tenant_of(level[1]), level[2]))
         intake = [intake_queue(self.connection, m, p, t) for p, t, m in order]
+        self._queue_tenants.update((q.key, tenant_of(t)) for q, (_, t, _) in zip(
+            intake, order, strict=True))
         return intake if full else [self.own, *intake]
+
+    def held(self) -> dict[str, int]:
+        """Resident jobs by tenant."""
+        held: dict[str, int] = {}
+        for active in self.resident.values():
+            held[tenant_of(active.tenant)] = held.get(tenant_of(active.tenant), 0) + 1
+        return held
+
+    def caps(self, queues: list[Queue]) -> list[int] | None:
+        """At most how many jobs an admission takes from each of `queues` (`queues`' order)
+        under ``tenant_max_resident``: a tenant's room goes to its first queue in the order,
+        none to its later ones (they are taken from at the next admission); None without a
+        quota."""
+        if self.tenant_max_resident is None:
+            return None
+        room, held, caps = self.room(), self.held(), []
+        for queue in queues:
+            tenant = self._queue_tenants.get(queue.key)
+            if tenant is None:  # the own queue: routed sessions' next jobs
+                caps.append(room)
+                continue
+            caps.append(max(0, self.tenant_max_resident - held.get(tenant, 0)))
+            held[tenant] = self.tenant_max_resident
+        return caps
 
     def queue_keys(self, leaving: bool = False) -> list[str]:
         """Redis keys of `queues` (of `leaving`), whose lengths ride along with a step's

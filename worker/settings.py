@@ -70,6 +70,7 @@ class WorkerSettings:
         tenant_weights: tenant -> weight in the fair share between tenants
             (`worker.fair_share`), until ``keys.TENANT_WEIGHTS`` says otherwise; a tenant
             named in neither weighs 1.
+        tenant_max_resident: jobs of one tenant resident at once at most (None: no quota).
         publish_tokenizers: publish each model's tokenizer for clients that tokenize
             (`worker.heartbeat.Heartbeat.publish_tokenizer`).
         limits: what a job may ask for (`jobs.limits.Limits`), checked again at its start
@@ -92,5 +93,6 @@ class WorkerSettings:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     prefix_store: str | None = None
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    tenant_max_resident: int | None = None
     publish_tokenizers: bool = True
     limits: Limits = field(default_factory=Limits)

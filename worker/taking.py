@@ -101,17 +101,20 @@ class TakingQueue(Queue):
 
     @classmethod
     def take(cls, queues: Iterable[Queue], count: int, connection: Redis,
-             job_class: type[Job], serializer, expire_s: int) -> list[tuple[Job, Queue]]:
-        """Up to `count` RQ jobs of `queues`, in order, without blocking: popped and
+             job_class: type[Job], serializer, expire_s: int,
+             caps: list[int] | None = None) -> list[tuple[Job, Queue]]:
+        """Up to `count` RQ jobs of `queues`, in order (at most ``caps[i]`` of the i-th;
+        None: no cap but `count`), without blocking: popped and
         recorded in one script (`jobs.scripts.take`), their hashes read in one round trip,
         junk dropped (`worker.intake.fetch_many_or_drop`). What RQ's execution of each would
         have done is the caller's (`taken_in_bulk` once they are started); their hashes
         expire in `expire_s` seconds meanwhile."""
+        queues = list(queues)
         by_key = {q.key: q for q in queues}
         if count < 1 or not by_key:
             return []
-        flat = cls.scripts.run(scripts.take(cls.taking_key, list(by_key), count),
-                               client=connection)
+        flat = cls.scripts.run(scripts.take(cls.taking_key, [q.key for q in queues], count,
+                                            caps), client=connection)
         popped = [(as_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
         jobs = fetch_many_or_drop(connection, popped, job_class, serializer, expire_s)
         junk = [raw_id for (_, raw_id), job in zip(popped, jobs, strict=True) if job is None]

@@ -210,7 +210,7 @@ class PrefillWorker(SimpleWorker):
                 return None
             decision = self.prefill_scheduler.schedule()
             if isinstance(decision, Admit):
-                if not self._admit(decision.queues):
+                if not self._admit(decision.queues, decision.caps):
                     self.prefill_scheduler.saw_intake(False)  # until a round trip sees one
                 continue
             if isinstance(decision, Run):
@@ -246,8 +246,9 @@ class PrefillWorker(SimpleWorker):
             if idle_until is not None and time.monotonic() >= idle_until:
                 return None
 
-    def _admit(self, queues: list[Queue]) -> bool:
-        """Admit as many jobs waiting in `queues` as there is room for, in order, in a few
+    def _admit(self, queues: list[Queue], caps: list[int] | None = None) -> bool:
+        """Admit as many jobs waiting in `queues` as there is room for (and `caps` allow,
+        `Admit.caps`), in order, in a few
         round trips whatever their number (`TakingQueue.take`, `Stepper.admit`), instead of
         one RQ execution each; returns whether any was waiting. Each popped RQ job is
         checked as RQ's execution would be (`jobs.queues.refusal`: a refused one goes to
@@ -256,7 +257,7 @@ class PrefillWorker(SimpleWorker):
         popped = self.queue_class.take(
             queues, self.prefill_scheduler.room(), connection=self.connection,
             job_class=self.job_class, serializer=self.serializer,
-            expire_s=self.settings.result_ttl_s)
+            expire_s=self.settings.result_ttl_s, caps=caps)
         if not popped:
             return False
         admitted = []

@@ -78,8 +78,8 @@ def test_a_submit_whose_multi_fails_frees_its_idempotency_key():
                   "sha256": "0" * 64})
     request = SubmitRequest(tokens=[1, 2], model="m", idempotency_key="k")
     run = core.Run(core.submit(request, Limits(), max_queue_depth=10, result_ttl_s=60))
-    # model and prefix root, priorities and tenants' levels, depth, the claim
-    replies = iter([[info, None], [set(), set()], [0], [True]])
+    # model and prefix root, priorities, tenants' levels and quota, depth, the claim
+    replies = iter([[info, None], [set(), set(), None], [0], [True]])
     for _ in range(4):
         run.settle(lambda trip: next(replies))
     assert run.trip.transaction  # the record and its RQ job

@@ -9,11 +9,20 @@ import fakeredis
 import pytest
 
 from jobs import keys
-from jobs.queues import enqueue_new, intake_depth, own_queue, requeue_to_intake, rq_queue_key
+from jobs.queues import (
+    AdmissionJob,
+    enqueue_new,
+    intake_depth,
+    own_queue,
+    requeue_to_intake,
+    rq_queue_key,
+)
 from jobs.scripts import Scripts
+from jobs.serializer import MsgpackSerializer
 from worker.fair_share import FairShare, decode_weights, parse_weights, tenant_of
 from worker.roundtrip import run_scripts
 from worker.scheduler import Scheduler
+from worker.taking import TakingQueue
 
 from .helpers import MODEL
 from .test_scheduler import resident, turns
@@ -165,3 +174,26 @@ def test_without_tenants_a_full_worker_admits_nothing(make, tiny):
     scheduler = make(max_active=2)
     resident(scheduler, tiny, {"a": 16, "b": 16})
     assert scheduler.queues() == [] and scheduler.room() == 0 and not scheduler.extra_slot()
+
+
+def test_a_tenant_at_its_resident_quota_is_not_admitted_and_takes_are_capped(make, tiny):
+    scheduler = make(max_active=8, tenant_max_resident=2)
+    conn = scheduler.connection
+    resident(scheduler, tiny, {"a0": 16, "a1": 16}, tenant="a")
+    resident(scheduler, tiny, {"b0": 16}, tenant="b")
+    for i in range(3):
+        for tenant in ("a", "b", "c"):
+            with conn.pipeline() as pipe:
+                enqueue_new(conn, f"{tenant}{i + 3}", MODEL, 0, pipe, tenant=tenant)
+                pipe.execute()
+    queues = scheduler.queues()
+    # a is at its quota; the rest least served first, equals by name ("" the untenanted)
+    assert [q.name for q in queues[1:]] == [keys.intake_queue(MODEL),
+                                           keys.intake_queue(MODEL, 0, "b"),
+                                           keys.intake_queue(MODEL, 0, "c")]
+    caps = scheduler.caps(queues)
+    assert caps == [5, 2, 1, 2]  # the own queue: the room; "": 2 - 0; b: 2 - 1; c: 2 - 0
+    taking = TakingQueue.for_worker("w1", conn)
+    popped = taking.take(queues, scheduler.room(), conn, AdmissionJob, MsgpackSerializer, 60,
+                         caps=caps)
+    assert sorted(job.args[0] for job, _ in popped) == ["b3", "c3", "c4"]

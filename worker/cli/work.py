@@ -31,7 +31,7 @@ from .loading import load_models
 CLI_SETTINGS = ("chunk_tokens", "max_active", "max_batch_jobs", "step_tokens", "kv_budget_bytes",
                 "result_ttl_s", "logits_ttl_s", "heartbeat_ttl_s", "session_slots",
                 "session_bytes", "checkpoint_store", "checkpoint_every", "checkpoint_max_bytes",
-                "prefix_cache_bytes", "prefix_store", "tenant_weights")
+                "prefix_cache_bytes", "prefix_store", "tenant_weights", "tenant_max_resident")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -111,6 +111,9 @@ def add_worker(sub) -> None:
                         help="tenants' weights in the fair share of tokens prefilled (jobs "
                              "submitted with tenant=NAME); an unnamed tenant weighs 1, and "
                              "the Redis hash prefillq:tenant-weights overrides these")
+    worker.add_argument("--tenant-max-resident", type=positive_int, metavar="M",
+                        help="jobs of one tenant resident on this worker at most "
+                             "(default: no quota)")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
     add_kept_caches(worker)
