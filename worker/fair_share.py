@@ -76,7 +76,8 @@ class FairShare:
     def __init__(self, weights: Mapping[str, float] | None = None):
         self.weights: dict[str, float] = dict(weights or {})
         self.service: dict[str, float] = {}
-        self.pending: dict[str, float] = {}
+        self.pending: dict[str, float] = {}  # charges not yet added in Redis
+        self.lifts: dict[str, float] = {}  # floors not yet set in Redis
         # a tenant other than "" has been seen: the service is read with every round trip
         self.enabled = bool(self.weights)
 
@@ -103,19 +104,23 @@ class FairShare:
         it is ahead of them already)."""
         floor = min((self.of(t) for t in backlogged if t != tenant), default=None)
         if floor is not None and floor > self.of(tenant):
-            self.pending[tenant] = self.pending.get(tenant, 0.0) + floor - self.of(tenant)
+            # set in Redis as a floor, not added: two workers lifting one tenant at once
+            # must not lift it twice; charges since then are added on top
+            self.lifts[tenant] = floor - self.pending.get(tenant, 0.0)
             self.service[tenant] = floor
 
     def order(self, tenants: Iterable[str]) -> list[str]:
         """`tenants`, least service first (ties by name)."""
         return sorted(set(tenants), key=lambda t: (self.of(t), t))
 
-    def take_pending(self) -> dict[str, float]:
-        """The charges since the last call, for Redis (HINCRBYFLOAT each), and forget them;
-        none until a tenant is seen (`enabled`), so jobs without tenants cost Redis nothing
-        more a chunk."""
-        pending, self.pending = self.pending, {}
-        return pending if self.enabled else {}
+    def take_pending(self) -> tuple[dict[str, float], dict[str, float]]:
+        """``(lifts, charges)`` since the last call, for Redis: each lift a floor to raise
+        a tenant's service to (`worker.roundtrip.LIFT`), then each charge to add
+        (HINCRBYFLOAT); and forget them. None until a tenant is seen (`enabled`), so jobs
+        without tenants cost Redis nothing more a chunk."""
+        lifts, pending = self.lifts, self.pending
+        self.lifts, self.pending = {}, {}
+        return (lifts, pending) if self.enabled else ({}, {})
 
     def observe(self, raw: Mapping[bytes | str, bytes | str]) -> None:
         """HGETALL ``keys.TENANT_SERVICE``, read after this worker's pending charges were
@@ -126,6 +131,8 @@ class FairShare:
                 service[name.decode() if isinstance(name, bytes) else name] = float(value)
             except (ValueError, UnicodeDecodeError):
                 continue
+        for tenant, floor in self.lifts.items():
+            service[tenant] = max(service.get(tenant, 0.0), floor)
         for tenant, amount in self.pending.items():
             service[tenant] = service.get(tenant, 0.0) + amount
         self.service = service

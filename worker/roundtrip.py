@@ -15,6 +15,14 @@ from redis.exceptions import NoScriptError
 from jobs import keys, stats
 from jobs.scripts import Call, Scripts
 
+# Raise a tenant's virtual service to a floor (VTC's lift, `worker.fair_share`): a max, so
+# that two workers lifting one tenant at once lift it once.
+LIFT = """
+local now = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if now < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 0
+"""
+
 
 @dataclass
 class Probe:
@@ -25,6 +33,8 @@ class Probe:
         queue_keys: Redis keys of the RQ queues to admit from (empty: no room).
         chunks: the chunks the step computed, ``(seconds, tokens)`` each, whose stats are
             written (empty: no chunk ran, e.g. a cancel or an exact session hit).
+        lifts: tenant -> the floor its virtual service in ``keys.TENANT_SERVICE`` is raised
+            to (`LIFT`), before the additions (`worker.fair_share`; best effort, as they).
         service: tenant -> virtual service this worker charged since its last round trip,
             added to ``keys.TENANT_SERVICE`` (`worker.fair_share`; best effort).
         read_service: read ``keys.TENANT_SERVICE`` back (after those additions).
@@ -35,6 +45,7 @@ class Probe:
     others: Sequence[str] = ()
     queue_keys: Sequence[str] = ()
     chunks: Sequence[tuple[float, int]] = ()
+    lifts: Mapping[str, float] = field(default_factory=dict)
     service: Mapping[str, float] = field(default_factory=dict)
     read_service: bool = False
     set_keys: Sequence[str] = ()
@@ -102,7 +113,8 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
         raise errors[0]
     flags, lengths = reads[:n_flags], reads[n_flags:]
     service = None
-    at = len(calls) + len(reads) + len(probe.service)  # after the reads and the additions
+    # after the reads, the lifts and the additions
+    at = len(calls) + len(reads) + len(probe.lifts) + len(probe.service)
     if probe.read_service:
         service = None if isinstance(replies[at], Exception) else replies[at]
         at += 1
@@ -127,6 +139,8 @@ def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Pro
             pipe.exists(keys.cancel(job_id))
         for key in probe.queue_keys:
             pipe.llen(key)
+        for tenant, floor in probe.lifts.items():
+            pipe.eval(LIFT, 1, keys.TENANT_SERVICE, tenant, repr(floor))
         for tenant, amount in probe.service.items():  # a refusal (maxmemory) is dropped
             pipe.hincrbyfloat(keys.TENANT_SERVICE, tenant, amount)
         if probe.read_service:

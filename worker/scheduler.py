@@ -210,8 +210,9 @@ class Scheduler:
         stats, and the tenants' service charged since the last round trip (read back while
         tenants are in play)."""
         tenants = self.fair.enabled
+        lifts, charges = self.fair.take_pending()
         return Probe(others=others, queue_keys=self.queue_keys(leaving), chunks=chunks or (),
-                     service=self.fair.take_pending(), read_service=tenants,
+                     lifts=lifts, service=charges, read_service=tenants,
                      set_keys=[keys.tenant_levels(m) for m in self.models] if tenants else ())
 
     def saw(self, reply: Reply) -> None:

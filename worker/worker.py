@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import socket
@@ -45,6 +44,9 @@ __all__ = ["DEFAULT_MAX_ACTIVE", "ActiveJob", "PrefillWorker", "current_worker"]
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 # seconds `PrefillWorker.unsubscribe` waits for RQ's pubsub thread, once told to end
 PUBSUB_STOP_S = 5.0
+# an idle worker's blocking wait on intake (seconds, RQ's whole-second BLPOP): each tenant is
+# an intake queue of its own, so a new tenant's first job waits at most this on idle workers
+IDLE_WAIT_S = 1
 
 
 class NoDeathPenalty(BaseDeathPenalty):
@@ -232,15 +234,14 @@ class PrefillWorker(SimpleWorker):
 
     def _block_on_intake(self, timeout, max_idle_time):
         """RQ's blocking dequeue (a single look in burst mode, `timeout` None), in waits of
-        about ``heartbeat_ttl_s / 6`` after each of which the priorities in use are read
-        again, so a job of a priority no queue had before is seen within one wait."""
+        `IDLE_WAIT_S` after each of which the intake levels in use are read again, so a job
+        of a priority or a tenant no queue had before is seen within one wait."""
         idle_until = None if max_idle_time is None else time.monotonic() + max_idle_time
         while True:
             self._ordered_queues = self.prefill_scheduler.idle_queues()
             if timeout is None:
                 return super().dequeue_job_and_maintain_ttl(None, max_idle_time)
-            wait = max(1, math.ceil(self.prefill_scheduler.refresh_s))
-            result = super().dequeue_job_and_maintain_ttl(wait, wait)
+            result = super().dequeue_job_and_maintain_ttl(IDLE_WAIT_S, IDLE_WAIT_S)
             if result is not None or self._stop_requested:
                 return result
             if idle_until is not None and time.monotonic() >= idle_until:

@@ -34,10 +34,11 @@ def test_service_is_tokens_over_weight_and_the_least_served_goes_first():
     fair.charge("", 150)
     assert fair.of("gold") == 100 and fair.of("") == 150 and fair.of("new") == 0
     assert fair.order(["", "gold", "new"]) == ["new", "gold", ""]
-    assert fair.take_pending() == {"gold": 100, "": 150} and fair.take_pending() == {}
+    assert fair.take_pending() == ({}, {"gold": 100, "": 150})
+    assert fair.take_pending() == ({}, {})
     untenanted = FairShare()  # no tenant seen: nothing goes to Redis
     untenanted.charge("", 10)
-    assert untenanted.take_pending() == {} and untenanted.of("") == 10
+    assert untenanted.take_pending() == ({}, {}) and untenanted.of("") == 10
 
 
 def test_a_tenant_back_from_idle_is_lifted_to_the_least_backlogged_service():
@@ -46,7 +47,7 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_least_backlogged_service():
     fair.charge("a", 1000)
     fair.charge("b", 600)
     fair.lift("late", ["a", "b"])  # VTC: no credit banked while it had nothing to run
-    assert fair.of("late") == 600 and fair.take_pending()["late"] == 600
+    assert fair.of("late") == 600 and fair.take_pending()[0] == {"late": 600}
     fair.lift("a", ["b"])  # ahead already: unchanged
     assert fair.of("a") == 1000
     fair.lift("c", [])  # nobody backlogged: unchanged
@@ -61,7 +62,7 @@ def test_observe_is_the_clusters_service_plus_charges_not_yet_sent():
     fair.charge("a", 5)  # after the round trip's additions were taken
     fair.observe({b"a": b"110", b"b": b"7.5", b"junk": b"x"})
     assert fair.of("a") == 115 and fair.of("b") == 7.5 and fair.of("junk") == 0
-    assert sent == {"a": 10}
+    assert sent == ({}, {"a": 10})
 
 
 def test_weights_parse_and_decode():
@@ -197,3 +198,19 @@ def test_a_tenant_at_its_resident_quota_is_not_admitted_and_takes_are_capped(mak
     popped = taking.take(queues, scheduler.room(), conn, AdmissionJob, MsgpackSerializer, 60,
                          caps=caps)
     assert sorted(job.args[0] for job, _ in popped) == ["b3", "c3", "c4"]
+
+
+def test_two_workers_lifting_one_tenant_at_once_lift_it_once():
+    conn = fakeredis.FakeStrictRedis()
+    conn.hset(keys.TENANT_SERVICE, "flood", 1000)
+    workers = [Scheduler(conn, [MODEL], own_queue(conn, f"w{i}")) for i in range(2)]
+    for scheduler in workers:
+        scheduler.fair.seen("new")
+        scheduler.fair.observe(conn.hgetall(keys.TENANT_SERVICE))
+        scheduler.fair.lift("new", ["flood"])
+        scheduler.fair.charge("new", 10)  # its first chunk here
+        assert scheduler.fair.of("new") == 1010
+    for scheduler in workers:  # both round trips: the floor is a max, the charges add
+        scheduler.saw(run_scripts(conn, Scripts(conn), [], scheduler.probe([])))
+    assert float(conn.hget(keys.TENANT_SERVICE, "new")) == 1020  # not 2,020
+    assert workers[1].fair.of("new") == 1020
