@@ -106,16 +106,9 @@ def add_worker(sub) -> None:
                         help="cap on the tokens of one step's chunks (a step always takes "
                              "its first job's chunk; default: 2,048 on a CPU, 8,192 on a "
                              "GPU)")
-    worker.add_argument("--tenant-weights", type=tenant_weights, default={},
-                        metavar="NAME=W,...",
-                        help="tenants' weights in the fair share of tokens prefilled (jobs "
-                             "submitted with tenant=NAME); an unnamed tenant weighs 1, and "
-                             "the Redis hash prefillq:tenant-weights overrides these")
-    worker.add_argument("--tenant-max-resident", type=positive_int, metavar="M",
-                        help="jobs of one tenant resident on this worker at most "
-                             "(default: no quota)")
     worker.add_argument("--kv-budget-bytes", type=int,
                         help="admit no job whose KV cache would exceed this total")
+    add_tenants(worker)
     add_kept_caches(worker)
     worker.add_argument("--context", type=positive_int,
                         help="cap the serving context (tokens): the most prompt tokens a job "
@@ -156,6 +149,18 @@ def tenant_weights(text: str) -> dict[str, float]:
         return parse_weights(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_tenants(worker) -> None:
+    """Add the flags of the fair share between tenants (`worker.fair_share`)."""
+    worker.add_argument("--tenant-weights", type=tenant_weights, default={},
+                        metavar="NAME=W,...",
+                        help="tenants' weights in the fair share of tokens prefilled (jobs "
+                             "submitted with tenant=NAME); an unnamed tenant weighs 1, and "
+                             "the Redis hash prefillq:tenant-weights overrides these")
+    worker.add_argument("--tenant-max-resident", type=positive_int, metavar="M",
+                        help="jobs of one tenant resident on this worker at most "
+                             "(default: no quota)")
 
 
 def add_kept_caches(worker) -> None:
