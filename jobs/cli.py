@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from . import keys
 from .client import PrefillClient, redis_url
 from .defaults import REDIS_URL_ENV
 from .errors import JobCanceled, JobFailed
@@ -247,6 +248,29 @@ def cmd_reap(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from redis import Redis
+
+    from .stats import read_cluster_stats_sync
+
+    conn = Redis.from_url(redis_url(args.redis))
+    stats = read_cluster_stats_sync(conn)
+    weights = {k.decode(): v.decode() for k, v in conn.hgetall(keys.TENANT_WEIGHTS).items()}
+    # the hash's weight (None: none there; a worker's --tenant-weights may give one)
+    rows = [{"tenant": t, "weight": weights.get(t), **dataclasses.asdict(n)}
+            for t, n in stats.tenants.items()]
+    if args.json:
+        print(json.dumps({"tenants": rows, "service_spread": stats.service_spread}))
+        return 0
+    print(f"{'tenant':<20} {'weight':>6} {'queued':>7} {'prefilling':>10} {'tokens':>12} "
+          f"{'service':>12}")
+    for r in rows:
+        print(f"{r['tenant'] or '(none)':<20} {r['weight'] or '-':>6} {r['queued']:>7} "
+              f"{r['prefilling']:>10} {r['tokens_prefilled']:>12} {r['service']:>12.0f}")
+    print(f"service spread between tenants with work: {stats.service_spread:.0f} tokens")
+    return 0
+
+
 def add_submit(sub) -> None:
     """Add ``submit`` to the subparsers `sub`."""
     submit = sub.add_parser("submit", help="enqueue a prompt; prints the job id")
@@ -278,10 +302,16 @@ def add_submit(sub) -> None:
 
 
 def add_job_commands(sub) -> None:
-    """Add ``reap``, ``status``, ``cancel`` and ``result`` to the subparsers `sub`."""
+    """Add ``reap``, ``tenants``, ``status``, ``cancel`` and ``result`` to the subparsers
+    `sub`."""
     reaper = sub.add_parser("reap", help="one pass of the dead-worker reaper")
     add_redis(reaper)
     reaper.set_defaults(func=cmd_reap)
+    tenants = sub.add_parser("tenants", help="each tenant's weight, queued and prefilling "
+                             "jobs, tokens prefilled and virtual service")
+    add_redis(tenants)
+    tenants.add_argument("--json", action="store_true")
+    tenants.set_defaults(func=cmd_tenants)
     for name, func, text in (("status", cmd_status, "print a job's status"),
                              ("cancel", cmd_cancel, "cancel a job (idempotent)"),
                              ("result", cmd_result, "wait for and print a job's result")):

@@ -43,6 +43,8 @@ WORKER_TAKING = PREFIX + ":worker:{worker}:taking"
 # names of the models a worker serves (a set; written at registration, for live workers
 # per model)
 WORKER_MODELS = PREFIX + ":worker:{worker}:models"
+# tenant -> the jobs of that tenant the worker holds (written while tenants are in play)
+WORKER_TENANTS = PREFIX + ":worker:{worker}:tenants"
 
 # the cluster's counters (jobs by outcome, tokens prefilled, the chunk-time histogram): one
 # hash whose fields `jobs.stats` owns; never touched by a per-job script (another slot)
@@ -77,6 +79,8 @@ TENANT_WEIGHTS = PREFIX + ":tenant-weights"
 # tenant -> the most jobs it may have waiting in one model's intake queues (a submit past
 # it raises QueueFull for that tenant only); an operator edits it, no entry: no quota
 TENANT_MAX_QUEUED = PREFIX + ":tenant-max-queued"
+# tenant -> tokens its jobs prefilled (counted while tenants are in play; "": no tenant)
+TENANT_TOKENS = PREFIX + ":tenant-tokens"
 # tenant -> its virtual service: tokens prefilled over its weight, lifted when it comes
 # back from idle (`worker.fair_share`; "" is the jobs submitted without a tenant)
 TENANT_SERVICE = PREFIX + ":tenant-service"
@@ -159,6 +163,10 @@ def worker_taking(worker: str) -> str:
 
 def worker_models(worker: str) -> str:
     return WORKER_MODELS.format(worker=worker)
+
+
+def worker_tenants(worker: str) -> str:
+    return WORKER_TENANTS.format(worker=worker)
 
 
 def session_holder(session: str) -> str:

@@ -85,6 +85,7 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
             pipe.delete(keys.worker_jobs(worker))
             pipe.delete(keys.worker_taking(worker))
             pipe.delete(keys.worker_models(worker))
+            pipe.delete(keys.worker_tenants(worker))
             pipe.srem(keys.WORKERS, worker)
             for state in filter(None, ended):
                 stats.record_terminal(pipe, state)

@@ -7,6 +7,7 @@ read from the keys the queue keeps anyway (`read_plan`).
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping
@@ -120,6 +121,25 @@ class ChunkHistogram:
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One tenant's numbers (``""``: jobs without a tenant).
+
+    Attributes:
+        queued: jobs in its intake queues (every model and priority).
+        prefilling: its jobs live workers hold.
+        tokens_prefilled: tokens its jobs ran through a forward pass, since tenants came
+            into play (``keys.TENANT_TOKENS``).
+        service: its virtual service, tokens over weight with the lifts
+            (``keys.TENANT_SERVICE``, `worker.fair_share`).
+    """
+
+    queued: int = 0
+    prefilling: int = 0
+    tokens_prefilled: int = 0
+    service: float = 0.0
+
+
+@dataclass(frozen=True)
 class ClusterStats:
     """The cluster's numbers (`read_cluster_stats`).
 
@@ -157,6 +177,7 @@ class ClusterStats:
         live_workers: per registered model, workers with a live heartbeat that serve it.
         workers_alive, workers_dead: registered workers whose heartbeat key exists /
             has expired (not reaped yet).
+        tenants: per tenant (`TenantStats`), every tenant with a number.
     """
 
     submitted: int = 0
@@ -175,6 +196,14 @@ class ClusterStats:
     live_workers: dict[str, int] = field(default_factory=dict)
     workers_alive: int = 0
     workers_dead: int = 0
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+
+    @property
+    def service_spread(self) -> float:
+        """The largest difference of virtual service between two tenants that have jobs
+        queued or prefilling now (0 with fewer than two): what the fair share bounds."""
+        busy = [t.service for t in self.tenants.values() if t.queued or t.prefilling]
+        return max(busy) - min(busy) if len(busy) > 1 else 0.0
 
     @property
     def served_models(self) -> frozenset[str]:
@@ -219,15 +248,17 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
     """Every read of `ClusterStats`, without I/O: yields the commands of each pipeline and
     is sent their replies (in order); returns the decoded `ClusterStats`.
 
-    Round trip 1 reads the counters and the registered models and workers; 2, per model its
-    intake priorities, its tenants' levels and priority-0 length, per worker its heartbeat,
-    models, held jobs and own queue; 3 (only when needed) the other intake queues' lengths.
+    Round trip 1 reads the counters, the registered models and workers and the tenants'
+    service and tokens; 2, per model its intake priorities, its tenants' levels and
+    priority-0 length, per worker its heartbeat, models, held jobs (all, and by tenant), own
+    queue and prefix bytes; 3 (only when needed) the other intake queues' lengths.
     The commands grow with the registered models, workers and tenants' levels, not with
     jobs. `read_cluster_stats` (redis.asyncio)
     and `read_cluster_stats_sync` (redis) only send these pipelines, so they cannot drift.
     """
-    raw, model_names, worker_names = yield [
-        ("hgetall", keys.STATS), ("hkeys", keys.MODELS), ("smembers", keys.WORKERS)]
+    raw, model_names, worker_names, service, tokens = yield [
+        ("hgetall", keys.STATS), ("hkeys", keys.MODELS), ("smembers", keys.WORKERS),
+        ("hgetall", keys.TENANT_SERVICE), ("hgetall", keys.TENANT_TOKENS)]
     models, workers = _names(model_names), _names(worker_names)
     reads: Reads = []
     for m in models:
@@ -236,22 +267,51 @@ def read_plan() -> Generator[Reads, list, ClusterStats]:
     for w in workers:
         reads += [("exists", keys.worker_heartbeat(w)), ("smembers", keys.worker_models(w)),
                   ("scard", keys.worker_jobs(w)), ("llen", rq_queue_key(keys.own_queue(w))),
-                  ("hget", keys.PREFIX_BYTES, w)]
+                  ("hget", keys.PREFIX_BYTES, w), ("hgetall", keys.worker_tenants(w))]
     replies = (yield reads) if reads else []
     per_model, per_worker = replies[:3 * len(models)], replies[3 * len(models):]
     depth = {m: per_model[3 * i + 2] for i, m in enumerate(models)}
     others = [(m, p, t) for i, m in enumerate(models)
               for p, t in intake_levels_of(m, per_model[3 * i], per_model[3 * i + 1])
               if (p, t) != (0, None)]
+    queued: Counter = Counter()
     if others:
         lengths = yield [("llen", rq_queue_key(keys.intake_queue(m, p, t)))
                          for m, p, t in others]
-        for (m, _, _), n in zip(others, lengths, strict=True):
+        for (m, _, t), n in zip(others, lengths, strict=True):
             depth[m] += n
-    return _decode(raw, depth, per_worker)
+            if t is not None:
+                queued[t] += n
+    stats = _decode(raw, depth, per_worker)
+    return dataclasses.replace(stats, tenants=_tenants(service, tokens, queued, per_worker))
 
 
-_PER_WORKER = 5  # `read_plan`'s reads of each worker
+_PER_WORKER = 6  # `read_plan`'s reads of each worker
+
+
+def _tenants(service: Mapping, tokens: Mapping, queued: Counter, per_worker: list
+             ) -> dict[str, TenantStats]:
+    """Per tenant: its queued jobs, the jobs live workers hold (``keys.worker_tenants``),
+    its tokens and service; entries that do not decode are skipped."""
+    prefilling: Counter = Counter()
+    for i in range(0, len(per_worker), _PER_WORKER):
+        if per_worker[i]:  # a live worker's
+            prefilling.update({k: int(v) for k, v in _numbers(per_worker[i + 5]).items()})
+    service, tokens = _numbers(service), _numbers(tokens)
+    names = set(queued) | set(prefilling) | set(service) | set(tokens)
+    return {t: TenantStats(queued=queued[t], prefilling=prefilling[t],
+                           tokens_prefilled=int(tokens.get(t, 0)),
+                           service=float(service.get(t, 0.0))) for t in sorted(names)}
+
+
+def _numbers(raw: Mapping) -> dict[str, float]:
+    out = {}
+    for name, value in (raw or {}).items():
+        try:
+            out[name.decode() if isinstance(name, bytes) else name] = float(value)
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return out
 
 
 def _decode(raw: Mapping, depth: dict[str, int], per_worker: list
@@ -259,7 +319,7 @@ def _decode(raw: Mapping, depth: dict[str, int], per_worker: list
     live = dict.fromkeys(depth, 0)
     alive = prefilling = routed = prefix_bytes = 0
     for i in range(0, len(per_worker), _PER_WORKER):
-        beat, served, held, own, cached = per_worker[i:i + _PER_WORKER]
+        beat, served, held, own, cached, _ = per_worker[i:i + _PER_WORKER]
         routed += own
         if not beat:
             continue

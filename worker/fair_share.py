@@ -64,6 +64,23 @@ def decode_weights(raw: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
     return weights
 
 
+def admission_caps(tenants: list[str | None], held: Mapping[str, int], quota: int,
+                   room: int) -> list[int]:
+    """At most how many jobs one admission takes from each queue, in the queues' order, with
+    `tenants` the queues' tenants (None: the worker's own queue, capped by `room` only),
+    `held` the resident jobs by tenant and `quota` the most a tenant may have resident: a
+    tenant's room goes to its first queue, none to its later ones (they are taken from at
+    the next admission)."""
+    held, caps = dict(held), []
+    for tenant in tenants:
+        if tenant is None:
+            caps.append(room)
+            continue
+        caps.append(max(0, quota - held.get(tenant, 0)))
+        held[tenant] = quota
+    return caps
+
+
 class FairShare:
     """Each tenant's virtual service (tokens prefilled over its weight) as one worker knows
     it: the cluster's sums as of the last read (`observe`) plus this worker's charges since
@@ -78,6 +95,7 @@ class FairShare:
         self.service: dict[str, float] = {}
         self.pending: dict[str, float] = {}  # charges not yet added in Redis
         self.lifts: dict[str, float] = {}  # floors not yet set in Redis
+        self.tokens: dict[str, int] = {}  # tokens prefilled not yet counted in Redis
         # a tenant other than "" has been seen: the service is read with every round trip
         self.enabled = bool(self.weights)
 
@@ -97,6 +115,7 @@ class FairShare:
         amount = tokens / self.weight(tenant)
         self.service[tenant] = self.of(tenant) + amount
         self.pending[tenant] = self.pending.get(tenant, 0.0) + amount
+        self.tokens[tenant] = self.tokens.get(tenant, 0) + tokens
 
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
         """`tenant` had nothing to run and now has a job: raise its service to the least of
@@ -113,14 +132,15 @@ class FairShare:
         """`tenants`, least service first (ties by name)."""
         return sorted(set(tenants), key=lambda t: (self.of(t), t))
 
-    def take_pending(self) -> tuple[dict[str, float], dict[str, float]]:
-        """``(lifts, charges)`` since the last call, for Redis: each lift a floor to raise
-        a tenant's service to (`worker.roundtrip.LIFT`), then each charge to add
-        (HINCRBYFLOAT); and forget them. None until a tenant is seen (`enabled`), so jobs
-        without tenants cost Redis nothing more a chunk."""
-        lifts, pending = self.lifts, self.pending
-        self.lifts, self.pending = {}, {}
-        return (lifts, pending) if self.enabled else ({}, {})
+    def take_pending(self) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+        """``(lifts, charges, tokens)`` since the last call, for Redis: each lift a floor to
+        raise a tenant's service to (`worker.roundtrip.LIFT`), then each charge to add
+        (HINCRBYFLOAT), and the tokens prefilled (``keys.TENANT_TOKENS``); and forget them.
+        None until a tenant is seen (`enabled`), so jobs without tenants cost Redis nothing
+        more a chunk."""
+        taken = (self.lifts, self.pending, self.tokens)
+        self.lifts, self.pending, self.tokens = {}, {}, {}
+        return taken if self.enabled else ({}, {}, {})
 
     def observe(self, raw: Mapping[bytes | str, bytes | str]) -> None:
         """HGETALL ``keys.TENANT_SERVICE``, read after this worker's pending charges were

@@ -137,6 +137,7 @@ class Heartbeat:
         """Remove the heartbeat key, the models set and the worker from ``keys.WORKERS``."""
         self.connection.delete(keys.worker_heartbeat(self.name))
         self.connection.delete(keys.worker_models(self.name))
+        self.connection.delete(keys.worker_tenants(self.name))
         self.connection.srem(keys.WORKERS, self.name)
 
     def _beat_loop(self) -> None:

@@ -37,6 +37,9 @@ class Probe:
             to (`LIFT`), before the additions (`worker.fair_share`; best effort, as they).
         service: tenant -> virtual service this worker charged since its last round trip,
             added to ``keys.TENANT_SERVICE`` (`worker.fair_share`; best effort).
+        tokens: tenant -> tokens prefilled, added to ``keys.TENANT_TOKENS``.
+        held: with `worker`, tenant -> the jobs it holds, written over
+            ``keys.worker_tenants(worker)`` (None: unchanged).
         read_service: read ``keys.TENANT_SERVICE`` back (after those additions).
         set_keys: Redis sets whose sizes are read (the tenants' intake levels: a new one is
             seen within a step, not within the scheduler's refresh).
@@ -47,6 +50,9 @@ class Probe:
     chunks: Sequence[tuple[float, int]] = ()
     lifts: Mapping[str, float] = field(default_factory=dict)
     service: Mapping[str, float] = field(default_factory=dict)
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    worker: str = ""
+    held: Mapping[str, int] | None = None
     read_service: bool = False
     set_keys: Sequence[str] = ()
 
@@ -114,7 +120,8 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
     flags, lengths = reads[:n_flags], reads[n_flags:]
     service = None
     # after the reads, the lifts and the additions
-    at = len(calls) + len(reads) + len(probe.lifts) + len(probe.service)
+    at = (len(calls) + len(reads) + len(probe.lifts) + len(probe.service) + len(probe.tokens)
+          + _held_writes(probe))
     if probe.read_service:
         service = None if isinstance(replies[at], Exception) else replies[at]
         at += 1
@@ -130,6 +137,13 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
     )
 
 
+def _held_writes(probe: Probe) -> int:
+    """Commands that write `probe.held`: a DEL, and an HSET unless it is empty."""
+    if probe.held is None or not probe.worker:
+        return 0
+    return 1 + bool(probe.held)
+
+
 def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Probe,
           chunks: Sequence[tuple[float, int]]) -> list:
     with connection.pipeline(transaction=False) as pipe:
@@ -143,6 +157,12 @@ def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Pro
             pipe.eval(LIFT, 1, keys.TENANT_SERVICE, tenant, repr(floor))
         for tenant, amount in probe.service.items():  # a refusal (maxmemory) is dropped
             pipe.hincrbyfloat(keys.TENANT_SERVICE, tenant, amount)
+        for tenant, n in probe.tokens.items():
+            pipe.hincrby(keys.TENANT_TOKENS, tenant, n)
+        if _held_writes(probe):
+            pipe.delete(keys.worker_tenants(probe.worker))
+            if probe.held:
+                pipe.hset(keys.worker_tenants(probe.worker), mapping=dict(probe.held))
         if probe.read_service:
             pipe.hgetall(keys.TENANT_SERVICE)
         for key in probe.set_keys:

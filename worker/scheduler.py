@@ -6,11 +6,13 @@ a waiting job, run a step of resident jobs, or block on intake while nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
 from rq import Queue
 
 from jobs import keys
@@ -19,7 +21,7 @@ from jobs.queues import enqueue_admission, intake_levels_of, intake_queue
 from jobs.record import JobRecord
 
 from .active import ActiveJob
-from .fair_share import FairShare, decode_weights, tenant_of
+from .fair_share import FairShare, admission_caps, decode_weights, tenant_of
 from .roundtrip import Probe, Reply
 from .settings import WorkerSettings
 
@@ -97,6 +99,7 @@ class Scheduler:
         tenant_weights: tenant -> weight in the fair share, until ``keys.TENANT_WEIGHTS``
             is read (an operator's edits there win).
         tenant_max_resident: jobs of one tenant resident here at most (None: no quota).
+        name: the worker's, whose jobs by tenant it writes (``keys.worker_tenants``).
 
     Raises:
         ValueError: `step_tokens` is not positive.
@@ -106,7 +109,7 @@ class Scheduler:
                  max_active: int = DEFAULT_MAX_ACTIVE, kv_budget_bytes: int | None = None,
                  refresh_s: float = 1.0, max_batch_jobs: int = DEFAULT_MAX_BATCH_JOBS,
                  step_tokens: int | None = None, tenant_weights: dict | None = None,
-                 tenant_max_resident: int | None = None):
+                 tenant_max_resident: int | None = None, name: str = ""):
         if step_tokens is not None and step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.connection, self.models, self.own = connection, list(models), own
@@ -122,6 +125,8 @@ class Scheduler:
         self.fair = FairShare(tenant_weights)
         self.tenant_max_resident = tenant_max_resident
         self._queue_tenants: dict[str, str] = {}  # intake queue key -> its tenant
+        self.name = name
+        self._sent_held: dict[str, int] | None = None  # as keys.worker_tenants(name) holds
         # the intake levels in use, (priority, tenant, model) each, as last read
         self._levels: list[tuple[int, str | None, str]] | None = None
         self._level_counts: list[int] | None = None  # tenants' levels per model, as read
@@ -129,13 +134,14 @@ class Scheduler:
 
     @classmethod
     def of(cls, connection, models: list[str], own: Queue, settings: WorkerSettings,
-           refresh_s: float = 1.0) -> Scheduler:
-        """The scheduler of a worker with `settings` (its admission and step options)."""
+           refresh_s: float = 1.0, name: str = "") -> Scheduler:
+        """The scheduler of worker `name` with `settings` (its admission and step
+        options)."""
         return cls(connection, models, own, max_active=settings.max_active,
                    kv_budget_bytes=settings.kv_budget_bytes, refresh_s=refresh_s,
                    max_batch_jobs=settings.max_batch_jobs, step_tokens=settings.step_tokens,
                    tenant_weights=settings.tenant_weights,
-                   tenant_max_resident=settings.tenant_max_resident)
+                   tenant_max_resident=settings.tenant_max_resident, name=name)
 
     # -- the decision -------------------------------------------------------------------
 
@@ -210,9 +216,15 @@ class Scheduler:
         stats, and the tenants' service charged since the last round trip (read back while
         tenants are in play)."""
         tenants = self.fair.enabled
-        lifts, charges = self.fair.take_pending()
+        lifts, charges, tokens = self.fair.take_pending()
+        held = self.held() if tenants else None
+        if held == self._sent_held:
+            held = None
+        else:
+            self._sent_held = held
         return Probe(others=others, queue_keys=self.queue_keys(leaving), chunks=chunks or (),
-                     lifts=lifts, service=charges, read_service=tenants,
+                     lifts=lifts, service=charges, tokens=tokens, worker=self.name,
+                     held=held, read_service=tenants,
                      set_keys=[keys.tenant_levels(m) for m in self.models] if tenants else ())
 
     def saw(self, reply: Reply) -> None:
@@ -243,10 +255,17 @@ class Scheduler:
         self.fresh.add(active.job_id)
 
     def remove(self, job_id: str) -> ActiveJob | None:
-        """`job_id` left this worker (None if it was not resident); its room is free."""
+        """`job_id` left this worker (None if it was not resident); its room is free. The
+        last job out clears ``keys.worker_tenants`` (no round trip follows on an idle
+        worker; best effort)."""
         self.room_needed = False
         self.fresh.discard(job_id)
-        return self.resident.pop(job_id, None)
+        active = self.resident.pop(job_id, None)
+        if not self.resident and self._sent_held:
+            with contextlib.suppress(RedisError):
+                self.connection.delete(keys.worker_tenants(self.name))
+                self._sent_held = {}
+        return active
 
     @property
     def resident_kv_bytes(self) -> int:
@@ -298,27 +317,15 @@ class Scheduler:
 
     def held(self) -> dict[str, int]:
         """Resident jobs by tenant."""
-        held: dict[str, int] = {}
-        for active in self.resident.values():
-            held[tenant_of(active.tenant)] = held.get(tenant_of(active.tenant), 0) + 1
-        return held
+        return dict(Counter(tenant_of(a.tenant) for a in self.resident.values()))
 
     def caps(self, queues: list[Queue]) -> list[int] | None:
-        """At most how many jobs an admission takes from each of `queues` (`queues`' order)
-        under ``tenant_max_resident``: a tenant's room goes to its first queue in the order,
-        none to its later ones (they are taken from at the next admission); None without a
-        quota."""
+        """At most how many jobs an admission takes from each of `queues`
+        (`worker.fair_share.admission_caps` under ``tenant_max_resident``; None: no quota)."""
         if self.tenant_max_resident is None:
             return None
-        room, held, caps = self.room(), self.held(), []
-        for queue in queues:
-            tenant = self._queue_tenants.get(queue.key)
-            if tenant is None:  # the own queue: routed sessions' next jobs
-                caps.append(room)
-                continue
-            caps.append(max(0, self.tenant_max_resident - held.get(tenant, 0)))
-            held[tenant] = self.tenant_max_resident
-        return caps
+        return admission_caps([self._queue_tenants.get(q.key) for q in queues], self.held(),
+                              self.tenant_max_resident, self.room())
 
     def queue_keys(self, leaving: bool = False) -> list[str]:
         """Redis keys of `queues` (of `leaving`), whose lengths ride along with a step's

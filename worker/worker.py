@@ -131,7 +131,7 @@ class PrefillWorker(SimpleWorker):
         # (named apart from RQ's own `scheduler`, its scheduler of RQ jobs for later); the
         # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.prefill_scheduler = Scheduler.of(connection, list(models), self.own_queue,
-                                              settings, refresh_s=self.heartbeat_ttl_s / 6)
+                                              settings, self.heartbeat_ttl_s / 6, name)
         every, store = settings.checkpoint_every, settings.checkpoint_store
         policy = CheckpointPolicy.parse(every or "none")
         self._checkpoints_line = ("KV checkpoints: off" if policy is None else

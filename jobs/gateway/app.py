@@ -21,7 +21,8 @@ ROUTERS = (native.router, completions.router, score.router, tokenize.router, obs
 
 def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               score_with_bos: bool = False) -> FastAPI:
+               score_with_bos: bool = False,
+               tenant_keys: dict[str, str] | None = None) -> FastAPI:
     """The gateway over `client`, which the app closes when it shuts down.
 
     Args:
@@ -31,6 +32,8 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
         max_body_bytes: larger request bodies are refused with 413.
         score_with_bos: ``/v1/completions`` scores token ids that do not start with the
             model's BOS as if it preceded them; the echo still covers only the client's ids.
+        tenant_keys: API key -> tenant: a request bearing one is accepted (beside
+            `api_key`) and its jobs are that tenant's (`jobs.gateway.deps.request_tenant`).
     """
 
     @asynccontextmanager
@@ -42,6 +45,7 @@ def create_app(client: AsyncPrefillClient, *, api_key: str | None = None,
                   description="Chunked, resumable, exact prefill as an HTTP service.")
     app.state.client = client
     app.state.api_key = api_key
+    app.state.tenant_keys = dict(tenant_keys or {})
     app.state.score_with_bos = score_with_bos
     app.state.live_workers = LiveWorkers(client.redis)
     for error_type, handler in HANDLERS.items():

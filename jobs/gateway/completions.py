@@ -24,7 +24,7 @@ from ..errors import InvalidRequest, JobCanceled, JobFailed
 from ..result import PrefillResult
 from ..tokenizer import ServedTokenizer
 from .body import documented, parsed
-from .deps import Client, ClientGone, require_api_key, unless_disconnected
+from .deps import Client, ClientGone, request_tenant, require_api_key, unless_disconnected
 from .errors import error_response, failed_job_status
 from .liveness import require_live_worker
 from .shared import answers, batch_jobs
@@ -53,6 +53,7 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # vLLM's: prefix blocks are shared only within one salt
+    tenant: str | None = None  # prefillq's: whose jobs (an API key's tenant wins)
 
 
 def check_request(req: CompletionRequest) -> None:
@@ -233,7 +234,7 @@ async def completions(req: Annotated[CompletionRequest, Depends(parsed(Completio
                  if needs_tokenizer(req, inputs, score_with_bos) else None)
     jobs = (with_bos(inputs, tokenizer.bos_id) if score_with_bos and tokenizer is not None
             else inputs)
-    options = job_options(req)
+    options = job_options(req) | {"tenant": request_tenant(request, req.tenant)}
     batch = batch_jobs(jobs, client.limits)
     outcome = await run_jobs(request, client, [{**job.input, **options} for job in batch])
     if isinstance(outcome, JSONResponse):

@@ -11,6 +11,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 
 from ..aio import AsyncPrefillClient
+from ..errors import InvalidRequest
 from .errors import HTTPError
 
 T = TypeVar("T")
@@ -26,16 +27,42 @@ Client = Annotated[AsyncPrefillClient, Depends(client_of)]
 
 
 def require_api_key(request: Request) -> None:
-    """Refuse with 401 unless ``Authorization: Bearer <key>`` carries the app's API key (a
-    no-op when the app has none). Compared in constant time. Every router but that of
-    ``/health`` and ``/metrics`` depends on it, and FastAPI solves it before the route reads
-    the body (`jobs.gateway.body`)."""
+    """Refuse with 401 unless ``Authorization: Bearer <key>`` carries the app's API key or
+    one of its tenants' keys (a no-op when the app has neither); a tenant's key makes the
+    request that tenant's (`request_tenant`). Compared in constant time. Every router but
+    that of ``/health`` and ``/metrics`` depends on it, and FastAPI solves it before the
+    route reads the body (`jobs.gateway.body`)."""
     key: str | None = request.app.state.api_key
-    if key is None:
+    tenant_keys: dict[str, str] = request.app.state.tenant_keys
+    request.state.tenant = None
+    if key is None and not tenant_keys:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), key.encode()):
-        raise HTTPError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer)")
+    if scheme.lower() == "bearer":
+        if key is not None and secrets.compare_digest(given.encode(), key.encode()):
+            return
+        for tenant_key, tenant in tenant_keys.items():  # every one, in constant time each
+            if secrets.compare_digest(given.encode(), tenant_key.encode()):
+                request.state.tenant = tenant
+        if request.state.tenant is not None:
+            return
+    raise HTTPError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer)")
+
+
+def request_tenant(request: Request, named: str | None) -> str | None:
+    """The tenant of a request's jobs: its API key's (`require_api_key`), else the one its
+    body `named` (None: none).
+
+    Raises:
+        InvalidRequest: the body names a tenant other than its key's.
+    """
+    keyed: str | None = request.state.tenant
+    if keyed is None:
+        return named
+    if named not in (None, keyed):
+        raise InvalidRequest(f"tenant: this API key's tenant is {keyed!r}; a request may not "
+                             "name another")
+    return keyed
 
 
 class ClientGone(Exception):

@@ -14,7 +14,7 @@ from ..requests import SUBMIT_FIELDS
 from ..result import result_record
 from ..schema import JobStatus
 from .body import json_object
-from .deps import Client, ClientGone, require_api_key, unless_disconnected
+from .deps import Client, ClientGone, request_tenant, require_api_key, unless_disconnected
 from .errors import error_body
 from .liveness import Live, require_live_worker
 
@@ -40,6 +40,9 @@ async def create(request: Request,
     """Enqueue a prefill: 202 ``{"job_id", "state"}`` (``queued``, unless an
     ``idempotency_key`` named an earlier job)."""
     fields = submit_fields(await json_object(request))
+    tenant = request_tenant(request, fields.get("tenant"))
+    if tenant is not None:
+        fields["tenant"] = tenant
     await require_live_worker(request, fields.get("model"))
     job_id = await client.submit(**fields)
     state = "queued"  # a new job is; an idempotent resubmit's may have run since

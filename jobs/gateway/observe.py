@@ -107,3 +107,27 @@ class Snapshot:
         for model, n in sorted(s.live_workers.items()):
             live.add_metric([model], n)
         yield from (workers, live)
+        yield from tenant_metrics(s)
+
+
+def tenant_metrics(s: ClusterStats) -> Iterator[Metric]:
+    """Per tenant (label ``tenant``; ``""``: jobs without one): queued, prefilling, tokens
+    prefilled, virtual service; and the service spread between tenants with work now."""
+    families = (
+        (GaugeMetricFamily, "prefillq_tenant_queued", "A tenant's jobs in intake queues",
+         "queued"),
+        (GaugeMetricFamily, "prefillq_tenant_prefilling", "A tenant's jobs live workers hold",
+         "prefilling"),
+        (CounterMetricFamily, "prefillq_tenant_tokens_prefilled",
+         "Tokens a tenant's jobs ran through a forward pass", "tokens_prefilled"),
+        (GaugeMetricFamily, "prefillq_tenant_service",
+         "A tenant's virtual service: tokens prefilled over its weight, lifted on return",
+         "service"))
+    for kind, name, text, attribute in families:
+        family = kind(name, text, labels=["tenant"])
+        for tenant, numbers in s.tenants.items():
+            family.add_metric([tenant], getattr(numbers, attribute))
+        yield family
+    yield GaugeMetricFamily("prefillq_tenant_service_spread",
+                            "Largest virtual service difference between tenants with jobs "
+                            "queued or prefilling", value=s.service_spread)

@@ -22,7 +22,7 @@ from ..defaults import DEFAULT_MODEL, MAX_TOP_K
 from ..errors import InvalidRequest
 from .body import documented, parsed
 from .completions import MAX_BATCH, run_jobs
-from .deps import Client, require_api_key
+from .deps import Client, request_tenant, require_api_key
 from .liveness import require_live_worker
 
 
@@ -38,6 +38,7 @@ class ScoreRequest(BaseModel):
     apply_softmax: bool = True
     item_first: bool = False
     cache_salt: str | None = None
+    tenant: str | None = None  # whose jobs (an API key's tenant wins)
 
 
 def score_jobs(req: ScoreRequest) -> list[dict[str, Any]]:
@@ -79,7 +80,8 @@ async def score(req: Annotated[ScoreRequest, Depends(parsed(ScoreRequest))], req
                 client: Client) -> JSONResponse:
     """``{"scores": [[p(label) for each label] for each item], "model", "usage", "object":
     "scoring"}``; blocks until the jobs end. A disconnect cancels them."""
-    jobs = score_jobs(req)
+    tenant = request_tenant(request, req.tenant)
+    jobs = [job | {"tenant": tenant} for job in score_jobs(req)]
     await require_live_worker(request, req.model)
     outcome = await run_jobs(request, client, jobs)
     if isinstance(outcome, JSONResponse):

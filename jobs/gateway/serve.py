@@ -26,6 +26,10 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV}; "
                    "off when unset)")
+    p.add_argument("--tenant-key", action="append", type=tenant_key, default=[],
+                   metavar="KEY=TENANT",
+                   help="also accept 'Authorization: Bearer KEY', and make its requests' "
+                   "jobs TENANT's (repeat for each tenant)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="refuse larger request bodies with 413 (default %(default)s)")
     p.add_argument("--score-with-bos", action="store_true",
@@ -35,6 +39,14 @@ def add_serve(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def tenant_key(text: str) -> tuple[str, str]:
+    """An argparse type: ``KEY=TENANT``, both non-empty."""
+    key, sep, tenant = text.partition("=")
+    if not (sep and key and tenant):
+        raise argparse.ArgumentTypeError("want KEY=TENANT")
+    return key, tenant
 
 
 def tcp_port(text: str) -> int:
@@ -55,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     app = create_app(AsyncPrefillClient.from_url(args.redis), api_key=api_key or None,
-                     max_body_bytes=args.max_body_bytes, score_with_bos=args.score_with_bos)
+                     max_body_bytes=args.max_body_bytes, score_with_bos=args.score_with_bos,
+                     tenant_keys=dict(args.tenant_key))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

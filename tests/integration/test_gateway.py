@@ -443,6 +443,18 @@ async def test_metrics_count_a_job_its_tokens_and_chunks(http, sync):
     assert after[("prefillq_queue_depth", (("model", MODEL),))] == 0
 
 
+async def test_metrics_count_a_tenants_tokens_and_service(http, sync):
+    job = sync.submit(tokens=ids(30, 10), model=MODEL, top_k=1, tenant="acme")
+    sync.result(job, timeout=60)
+    after = samples((await http.get("/metrics")).text)
+    acme = (("tenant", "acme"),)
+    assert after[("prefillq_tenant_tokens_prefilled_total", acme)] == 30
+    assert after[("prefillq_tenant_service", acme)] >= 30  # weight 1, and its lift
+    assert after[("prefillq_tenant_queued", acme)] == 0
+    assert after[("prefillq_tenant_prefilling", acme)] == 0
+    assert after[("prefillq_tenant_service_spread", ())] == 0
+
+
 def test_the_gateway_never_imports_mlx():
     import subprocess
     import sys

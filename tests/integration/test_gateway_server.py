@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from jobs import PrefillClient
+from jobs import PrefillClient, keys
 from tests.conftest import RedisServer
 from tests.integration.processes import MODEL, GatewayProcess, WorkerProcess, ids, wait_for
 
@@ -23,7 +23,8 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gateway-server")
     server = RedisServer(tmp).start()
     worker = WorkerProcess(server.url, "gws1", tmp)
-    gateway = GatewayProcess(server.url, tmp, "--api-key", "k3y")
+    gateway = GatewayProcess(server.url, tmp, "--api-key", "k3y",
+                             "--tenant-key", "acme-k3y=acme")
     yield server, worker, gateway
     gateway.stop()
     worker.stop()
@@ -49,6 +50,31 @@ def test_the_openai_client_scores_a_prompt_as_the_native_job_does(stack):
             model=MODEL, prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be 0 or 1"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5)
+
+
+def test_a_tenants_api_key_makes_its_requests_jobs_that_tenants(stack):
+    server, _, gateway = stack
+    conn = redis.Redis.from_url(server.url)
+
+    def prefill(key: str, **body) -> httpx.Response:
+        return httpx.post(gateway.url + "/v1/prefill", headers={"Authorization": f"Bearer {key}"},
+                          json={"tokens": ids(8, 12), "model": MODEL, **body}, timeout=30)
+
+    keyed = prefill("acme-k3y")
+    assert keyed.status_code == 202
+    assert conn.hget(keys.job(keyed.json()["job_id"]), "tenant") == b"acme"
+    named = prefill("k3y", tenant="zeta")  # the plain key: the body names the tenant
+    assert conn.hget(keys.job(named.json()["job_id"]), "tenant") == b"zeta"
+    other = prefill("acme-k3y", tenant="zeta")
+    assert other.status_code == 400 and "this API key's tenant is 'acme'" in other.text
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="acme-k3y")
+    completion = client.completions.create(model=MODEL, prompt=[ids(6, 13)], max_tokens=1,
+                                           temperature=0)
+    assert completion.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError, match="may not name another"):
+        client.completions.create(model=MODEL, prompt=[ids(6, 13)], max_tokens=1,
+                                  temperature=0, extra_body={"tenant": "zeta"})
+    assert prefill("nope").status_code == 401
 
 
 def jobs_in(conn) -> list[str]:

@@ -4,12 +4,15 @@ backlogged tenants of weights 1:2:4 are served tokens in that ratio within the b
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import redis
 
 from jobs import JobState, PrefillClient, keys
-from tests.integration.processes import MODEL, ids, redis_and_worker, wait_for
+from jobs.stats import read_cluster_stats_sync
+from tests.integration.processes import MODEL, MODULE_MAIN, ids, redis_and_worker, wait_for
 
 CHUNK = 16
 # the bound: two backlogged tenants' weighted tokens served differ by at most 2 steps'
@@ -74,6 +77,14 @@ def test_weighted_tenants_are_served_tokens_in_their_weights_ratio(tmp_path):
         print(f"measured served {served}, weighted spread {max(weighted) - min(weighted)}")
         assert max(weighted) - min(weighted) <= BOUND_TOKENS, served
         assert served["w4"] >= 8 * CHUNK, served  # the interval held many steps
+        tenants = read_cluster_stats_sync(conn).tenants  # what /metrics shows of them
+        assert all(tenants[t].prefilling >= 1 and tenants[t].tokens_prefilled >= end[t]
+                   for t in weights), tenants
+        shown = subprocess.run([*MODULE_MAIN, "tenants", "--redis", server.url, "--json"],
+                               capture_output=True, text=True, check=True).stdout
+        rows = {r["tenant"]: r for r in json.loads(shown)["tenants"]}
+        assert rows["w4"]["weight"] is None  # --tenant-weights is the worker's; not the hash
+        assert rows["w4"]["prefilling"] >= 1 and rows["w1"]["tokens_prefilled"] > 0
         for job_ids in jobs.values():
             for job_id in job_ids:
                 client.cancel(job_id)

@@ -186,7 +186,7 @@ def test_the_read_is_two_round_trips_and_three_with_other_priorities(conn):
     enqueue(conn, "j1", "a")
     s, sent = read_with_round_trips(conn)
     assert len(sent) == 2 and s.queue_depth == {"a": 1}
-    assert [len(r) for r in sent] == [3, 3 + 5]  # 3 per model, 5 per worker
+    assert [len(r) for r in sent] == [5, 3 + 6]  # 3 per model, 6 per worker
     enqueue(conn, "j2", "a", priority=3)
     s, sent = read_with_round_trips(conn)
     assert sent[2] == [("llen", rq_queue_key(keys.intake_queue("a", 3)))]
@@ -200,19 +200,26 @@ def test_the_read_is_two_round_trips_and_three_with_other_priorities(conn):
 def test_the_plan_decodes_canned_replies_without_redis():
     plan = read_plan()
     assert next(plan) == [("hgetall", keys.STATS), ("hkeys", keys.MODELS),
-                          ("smembers", keys.WORKERS)]
+                          ("smembers", keys.WORKERS), ("hgetall", keys.TENANT_SERVICE),
+                          ("hgetall", keys.TENANT_TOKENS)]
     raw = {b"submitted": b"7", b"finished": b"4", b"tokens_prefilled": b"100",
            b"chunk_le:0.01": b"3", b"chunk_le:+Inf": b"1", b"chunk_seconds_sum": b"12.5",
            b"chunk_le:0.003": b"9"}  # a bound no longer in use is ignored
-    second = plan.send([raw, [b"m"], [b"w"]])
+    second = plan.send([raw, [b"m"], [b"w"], {b"acme": b"96.5", b"": b"10"},
+                        {b"acme": b"193", b"": b"10"}])
     assert [c[0] for c in second] == ["smembers", "smembers", "llen", "exists", "smembers",
-                                      "scard", "llen", "hget"]
+                                      "scard", "llen", "hget", "hgetall"]
+    third = plan.send([set(), {b"0:acme"}, 4, 1, {b"m"}, 2, 1, b"4096", {b"acme": b"2"}])
+    assert third == [("llen", rq_queue_key(keys.intake_queue("m", 0, "acme")))]
     with pytest.raises(StopIteration) as done:
-        plan.send([set(), set(), 4, 1, {b"m"}, 2, 1, b"4096"])
+        plan.send([3])
     s = done.value.value
     assert (s.submitted, s.finished, s.tokens_prefilled) == (7, 4, 100)
     assert (s.chunks.count, s.chunks.sum_seconds) == (4, 12.5)
     assert s.chunks.cumulative[:2] == (0, 3) and s.chunks.cumulative[-1] == 4
-    assert (s.queue_depth, s.routed, s.prefilling, s.live_workers) == ({"m": 4}, 1, 2,
+    assert (s.queue_depth, s.routed, s.prefilling, s.live_workers) == ({"m": 7}, 1, 2,
                                                                        {"m": 1})
+    assert s.tenants == {"": stats.TenantStats(0, 0, 10, 10.0),
+                         "acme": stats.TenantStats(3, 2, 193, 96.5)}
+    assert s.service_spread == 0  # only acme has work now
     assert s.prefix_bytes == 4096  # the live worker's prefix cache
