@@ -73,8 +73,8 @@ class Scheduler:
     first always, whatever its chunk's size), and each moves to the back of the order, so
     every resident job runs within ``ceil(resident / max_batch_jobs)`` steps. With tenants
     (`worker.fair_share`), a step fills from the tenant with the least virtual service
-    first (round robin within a tenant), and intake queues of one priority are admitted
-    from in the same order. While fewer
+    first (round robin within a tenant), and intake queues are admitted from in the same
+    order, each tenant's by priority. While fewer
     than `max_active` are resident and their KV bytes are under `kv_budget_bytes`, jobs
     waiting in the worker's own queue or an intake queue (highest priority first) are
     admitted between any two steps, one after another while room lasts and a queue holds
@@ -291,8 +291,8 @@ class Scheduler:
         return self.kv_budget_bytes is None or self.resident_kv_bytes < self.kv_budget_bytes
 
     def queues(self, leaving: bool = False) -> list[Queue]:
-        """The queues to admit from now, in order: the own queue first, then intake by
-        priority, one priority's tenants least served first (`worker.fair_share`). While
+        """The queues to admit from now, in order: the own queue first, then intake, the
+        least served tenant first (`worker.fair_share`), each tenant's by priority. While
         there is no room (unless `leaving`: a resident job leaves before the next decision,
         so there will be), only the intake queues of tenants with no job resident here,
         when `extra_slot`, else none. The intake levels in use are read from Redis at most
@@ -307,9 +307,10 @@ class Scheduler:
         levels = [level for level in self._levels
                   if not (full and tenant_of(level[1]) in held)
                   and (quota is None or held.get(tenant_of(level[1]), 0) < quota)]
-        # (-priority, service, tenant, model)
+        # the least served tenant first, its priorities highest first: (service, tenant,
+        # -priority, model); without tenants, by priority as before
         order = sorted(levels, key=lambda level: (
-            -level[0], self.fair.of(tenant_of(level[1])), tenant_of(level[1]), level[2]))
+            self.fair.of(tenant_of(level[1])), tenant_of(level[1]), -level[0], level[2]))
         intake = [intake_queue(self.connection, m, p, t) for p, t, m in order]
         self._queue_tenants.update((q.key, tenant_of(t)) for q, (_, t, _) in zip(
             intake, order, strict=True))

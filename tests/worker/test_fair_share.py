@@ -108,7 +108,7 @@ def test_weighted_tenants_get_tokens_in_their_weights_ratio_within_a_step(make, 
     assert served == {"w1": 160, "w2": 320, "w4": 640}
 
 
-def test_admission_takes_one_prioritys_tenants_least_served_first(make):
+def test_admission_takes_the_least_served_tenant_first_its_priorities_in_order(make):
     scheduler = make(tenant_weights={"gold": 2.0})
     conn = scheduler.connection
     for i, tenant in enumerate(["gold", "bronze", None]):
@@ -122,9 +122,9 @@ def test_admission_takes_one_prioritys_tenants_least_served_first(make):
     scheduler.fair.charge("bronze", 200)
     scheduler.fair.charge("", 100)
     names = [q.name for q in scheduler.queues()]
-    assert names == ["prefill:w:w1", keys.intake_queue(MODEL, 5, "bronze"),
-                     keys.intake_queue(MODEL), keys.intake_queue(MODEL, 0, "gold"),
-                     keys.intake_queue(MODEL, 0, "bronze")]
+    # priorities order a tenant's own jobs; a tenant's high priority does not jump others
+    assert names == ["prefill:w:w1", keys.intake_queue(MODEL), keys.intake_queue(MODEL, 0, "gold"),
+                     keys.intake_queue(MODEL, 5, "bronze"), keys.intake_queue(MODEL, 0, "bronze")]
     conn.hset(keys.TENANT_WEIGHTS, "bronze", "4")  # an operator's edit, read with the levels
     scheduler.idle_queues()
     assert scheduler.fair.weight("bronze") == 4.0
