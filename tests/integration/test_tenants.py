@@ -12,7 +12,14 @@ import redis
 
 from jobs import JobState, PrefillClient, keys
 from jobs.stats import read_cluster_stats_sync
-from tests.integration.processes import MODEL, MODULE_MAIN, ids, redis_and_worker, wait_for
+from tests.integration.processes import (
+    MODEL,
+    MODULE_MAIN,
+    WorkerProcess,
+    ids,
+    redis_and_worker,
+    wait_for,
+)
 
 CHUNK = 16
 # the bound: two backlogged tenants' weighted tokens served differ by at most 2 steps'
@@ -88,3 +95,32 @@ def test_weighted_tenants_are_served_tokens_in_their_weights_ratio(tmp_path):
         for job_ids in jobs.values():
             for job_id in job_ids:
                 client.cancel(job_id)
+
+
+def test_two_workers_share_the_counters_so_the_weights_hold_for_the_cluster(tmp_path):
+    weights = {"a": 1.0, "b": 3.0}
+    args = ("--chunk-tokens", str(CHUNK), "--max-active", "2", "--max-batch-jobs", "1",
+            "--tenant-weights", "b=3")
+    with redis_and_worker(tmp_path, "wc1", *args) as (server, _):
+        second = WorkerProcess(server.url, "wc2", tmp_path, *args)
+        try:
+            client = PrefillClient.from_url(server.url)
+            conn = redis.Redis.from_url(server.url)
+            jobs = {t: [client.submit(tokens=ids(2048, 20 * k + i), model=MODEL, tenant=t)
+                        for i in range(4)] for k, t in enumerate(weights)}
+            wait_for(lambda: min(cursors(conn, jobs).values()) >= 4 * CHUNK, 60,
+                     "not every tenant was served")
+            start = cursors(conn, jobs)
+            time.sleep(1.0)
+            end = cursors(conn, jobs)
+            served = {t: end[t] - start[t] for t in weights}
+            weighted = [served[t] / w for t, w in weights.items()]
+            print(f"measured served {served}, weighted spread {max(weighted) - min(weighted)}")
+            # the bound a worker, twice, and a chunk of each worker's snapshot skew
+            assert max(weighted) - min(weighted) <= 2 * BOUND_TOKENS, served
+            assert served["b"] >= 8 * CHUNK, served
+            for job_ids in jobs.values():
+                for job_id in job_ids:
+                    client.cancel(job_id)
+        finally:
+            second.stop()
