@@ -39,6 +39,38 @@ def cursors(conn, jobs: dict[str, list[str]]) -> dict[str, int]:
             for tenant, job_ids in jobs.items()}
 
 
+def weighted_spread(url: str, weights: dict[str, float], jobs_each: int, seed: int
+                    ) -> tuple[dict[str, list[str]], dict[str, int], dict[str, int]]:
+    """Submit `jobs_each` 2,048-token jobs per tenant of `weights`; once every tenant has
+    been served a few chunks, the tokens each is served over one second. Returns the jobs,
+    the cursors at the end, and the tokens served in the second (all still backlogged)."""
+    client = PrefillClient.from_url(url)
+    conn = redis.Redis.from_url(url)
+    jobs = {t: [client.submit(tokens=ids(2048, seed + 10 * k + i), model=MODEL, tenant=t)
+                for i in range(jobs_each)] for k, t in enumerate(weights)}
+    wait_for(lambda: min(cursors(conn, jobs).values()) >= 2 * CHUNK, 60,
+             "not every tenant was served")
+    start = cursors(conn, jobs)
+    time.sleep(1.0)
+    end = cursors(conn, jobs)
+    served = {t: end[t] - start[t] for t in weights}
+    assert min(end.values()) < 2048  # each still backlogged at the end
+    print(f"measured served {served}, weighted spread {spread(served, weights)}")
+    return jobs, end, served
+
+
+def cancel_all(url: str, jobs: dict[str, list[str]]) -> None:
+    client = PrefillClient.from_url(url)
+    for job_ids in jobs.values():
+        for job_id in job_ids:
+            client.cancel(job_id)
+
+
+def spread(served: dict[str, int], weights: dict[str, float]) -> float:
+    weighted = [served[t] / w for t, w in weights.items()]
+    return max(weighted) - min(weighted)
+
+
 def test_a_short_job_of_another_tenant_runs_beside_a_flood(tmp_path):
     args = ("--chunk-tokens", str(CHUNK), "--max-active", "2", "--max-batch-jobs", "1")
     with redis_and_worker(tmp_path, "wt1", *args) as (server, _):
@@ -68,23 +100,11 @@ def test_weighted_tenants_are_served_tokens_in_their_weights_ratio(tmp_path):
     args = ("--chunk-tokens", str(CHUNK), "--max-active", "2", "--max-batch-jobs", "1",
             "--tenant-weights", ",".join(f"{t}={w:g}" for t, w in weights.items()))
     with redis_and_worker(tmp_path, "wt2", *args) as (server, _):
-        client = PrefillClient.from_url(server.url)
-        conn = redis.Redis.from_url(server.url)
-        jobs = {t: [client.submit(tokens=ids(2048, 10 * k + i), model=MODEL, tenant=t)
-                    for i in range(2)] for k, t in enumerate(weights)}
         # every tenant resident (2 slots, then one beyond for each newcomer) and served
-        wait_for(lambda: min(cursors(conn, jobs).values()) >= 2 * CHUNK, 60,
-                 "not every tenant was served")
-        start = cursors(conn, jobs)
-        time.sleep(1.0)
-        end = cursors(conn, jobs)
-        served = {t: end[t] - start[t] for t in weights}
-        assert min(end[t] for t in weights) < 2048  # each still backlogged at the end
-        weighted = [served[t] / w for t, w in weights.items()]
-        print(f"measured served {served}, weighted spread {max(weighted) - min(weighted)}")
-        assert max(weighted) - min(weighted) <= BOUND_TOKENS, served
+        jobs, end, served = weighted_spread(server.url, weights, 2, seed=0)
+        assert spread(served, weights) <= BOUND_TOKENS, served
         assert served["w4"] >= 8 * CHUNK, served  # the interval held many steps
-        tenants = read_cluster_stats_sync(conn).tenants  # what /metrics shows of them
+        tenants = read_cluster_stats_sync(redis.Redis.from_url(server.url)).tenants  # /metrics
         assert all(tenants[t].prefilling >= 1 and tenants[t].tokens_prefilled >= end[t]
                    for t in weights), tenants
         shown = subprocess.run([*MODULE_MAIN, "tenants", "--redis", server.url, "--json"],
@@ -92,9 +112,7 @@ def test_weighted_tenants_are_served_tokens_in_their_weights_ratio(tmp_path):
         rows = {r["tenant"]: r for r in json.loads(shown)["tenants"]}
         assert rows["w4"]["weight"] is None  # --tenant-weights is the worker's; not the hash
         assert rows["w4"]["prefilling"] >= 1 and rows["w1"]["tokens_prefilled"] > 0
-        for job_ids in jobs.values():
-            for job_id in job_ids:
-                client.cancel(job_id)
+        cancel_all(server.url, jobs)
 
 
 def test_two_workers_share_the_counters_so_the_weights_hold_for_the_cluster(tmp_path):
@@ -104,23 +122,10 @@ def test_two_workers_share_the_counters_so_the_weights_hold_for_the_cluster(tmp_
     with redis_and_worker(tmp_path, "wc1", *args) as (server, _):
         second = WorkerProcess(server.url, "wc2", tmp_path, *args)
         try:
-            client = PrefillClient.from_url(server.url)
-            conn = redis.Redis.from_url(server.url)
-            jobs = {t: [client.submit(tokens=ids(2048, 20 * k + i), model=MODEL, tenant=t)
-                        for i in range(4)] for k, t in enumerate(weights)}
-            wait_for(lambda: min(cursors(conn, jobs).values()) >= 4 * CHUNK, 60,
-                     "not every tenant was served")
-            start = cursors(conn, jobs)
-            time.sleep(1.0)
-            end = cursors(conn, jobs)
-            served = {t: end[t] - start[t] for t in weights}
-            weighted = [served[t] / w for t, w in weights.items()]
-            print(f"measured served {served}, weighted spread {max(weighted) - min(weighted)}")
+            jobs, _, served = weighted_spread(server.url, weights, 4, seed=20)
             # the bound a worker, twice, and a chunk of each worker's snapshot skew
-            assert max(weighted) - min(weighted) <= 2 * BOUND_TOKENS, served
+            assert spread(served, weights) <= 2 * BOUND_TOKENS, served
             assert served["b"] >= 8 * CHUNK, served
-            for job_ids in jobs.values():
-                for job_id in job_ids:
-                    client.cancel(job_id)
+            cancel_all(server.url, jobs)
         finally:
             second.stop()
