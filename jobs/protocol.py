@@ -97,8 +97,8 @@ def check_depth(model: str, depth: int, tenant_depth: int, tenant_quota: int | N
     if depth >= max_queue_depth:
         raise QueueFull(f"intake queues of {model} hold {max_queue_depth} jobs")
     if tenant_quota is not None and tenant_depth >= tenant_quota:
-        raise QueueFull(f"tenant {tenant!r} has {tenant_depth} jobs queued for {model}, its "
-                        f"quota (prefillq:tenant-max-queued)")
+        raise QueueFull(f"tenant {tenant!r} is at its quota of {tenant_quota} queued jobs "
+                        f"for {model} (prefillq:tenant-max-queued)")
 
 
 def quota(raw: bytes | None) -> int | None:

@@ -147,6 +147,7 @@ class JobRecord:
             updated_at=self.updated_at,
             finished_at=self.finished_at,
             error=self.error,
+            tenant=self.tenant,
         )
 
 

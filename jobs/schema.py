@@ -73,6 +73,7 @@ class JobStatus:
     updated_at: float | None
     finished_at: float | None
     error: dict[str, str] | None
+    tenant: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -99,6 +99,12 @@ class FairShare:
         # a tenant other than "" has been seen: the service is read with every round trip
         self.enabled = bool(self.weights)
 
+    def describe(self, max_resident: int | None) -> str:
+        """The weights and a tenant's resident quota `max_resident`, as a log line says."""
+        weights = ",".join(f"{t}={w:g}" for t, w in sorted(self.weights.items()))
+        quota = "no quota" if max_resident is None else f"at most {max_resident}"
+        return f"tenant weights: {weights or 'none (all 1)'}; resident per tenant: {quota}"
+
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, DEFAULT_WEIGHT)
 

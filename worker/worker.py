@@ -184,7 +184,8 @@ class PrefillWorker(SimpleWorker):
         # Nothing of this worker is in Redis yet, so while Redis refuses writes (maxmemory)
         # it waits, as for an outage, and beats only once registered: no heartbeat to keep.
         super().bootstrap(*args, **kwargs)
-        log.info("%s", self._checkpoints_line)
+        log.info("%s; %s", self._checkpoints_line,
+                 self.prefill_scheduler.fair.describe(self.settings.tenant_max_resident))
         until_accepted(self.connection, self.register_models,
                        f"the registration of {self.name}'s models")
         self.liveness.start()

@@ -13,9 +13,9 @@ def test_a_tenant_at_its_queued_quota_is_refused_and_no_one_else(worker, connect
     conn = connect()
     client = PrefillClient(conn)
     conn.hset(keys.TENANT_MAX_QUEUED, "acme", 2)
-    for _ in range(2):
-        client.submit(tokens=[2, 300], model=MODEL, tenant="acme")
-    with pytest.raises(QueueFull, match="^tenant 'acme' has 2 jobs queued"):
+    jobs = [client.submit(tokens=[2, 300], model=MODEL, tenant="acme") for _ in range(2)]
+    assert client.status(jobs[0]).tenant == "acme"  # a job's status shows whose it is
+    with pytest.raises(QueueFull, match="^tenant 'acme' is at its quota of 2 queued jobs"):
         client.submit(tokens=[2, 300], model=MODEL, tenant="acme", priority=5)
     client.submit(tokens=[2, 300], model=MODEL, tenant="other")  # others go on
     client.submit(tokens=[2, 300], model=MODEL)
