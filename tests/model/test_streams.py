@@ -8,6 +8,7 @@ import pytest
 
 from model.gguf.synthetic import write_tiny_gemma3
 from model.registry import load_model
+from model.runtime import streams
 from model.runtime.streams import cpu_streams, split_map
 
 
@@ -23,6 +24,23 @@ def test_split_map_equals_the_whole_op():
         split = split_map(fn, [x, y], axis=1, shared=(0.5,), parts=parts)
         assert split.shape == whole.shape
         assert mx.array_equal(split, whole).item(), parts
+
+
+def test_small_ops_run_whole_and_large_ones_in_slices(monkeypatch):
+    monkeypatch.setenv("PREFILLQ_CPU_STREAMS", "2")
+    calls = []
+
+    def fn(a):
+        calls.append(a.shape)
+        return a * 2
+
+    small = mx.zeros((1, 4, 16))
+    big = mx.zeros((1, 4, streams.MIN_SPLIT_ELEMENTS // 4))
+    assert mx.array_equal(split_map(fn, [small], axis=1), small * 2).item()
+    assert calls == [(1, 4, 16)]  # whole: slicing costs more than it saves
+    calls.clear()
+    assert mx.array_equal(split_map(fn, [big], axis=1), big * 2).item()
+    assert len(calls) == (2 if mx.default_device() == mx.cpu else 1)
 
 
 def test_cpu_streams_reads_the_environment(monkeypatch):
@@ -47,14 +65,15 @@ def test_gemma3_logits_do_not_depend_on_the_stream_count(tmp_path, monkeypatch, 
     """One KV head: query heads are split; several: whole GQA groups with their KV heads.
     40 tokens in 24-token chunks cover both the blocked (chunk > window) and the plain
     masked attention paths."""
+    monkeypatch.setattr(streams, "MIN_SPLIT_ELEMENTS", 0)  # the tiny model's ops are small
     path = write_tiny_gemma3(tmp_path / "tiny.gguf", n_heads=4, n_kv_heads=n_kv_heads)
     loaded = load_model(f"kv{n_kv_heads}={path}")
     ids = [(7 * i + 3) % loaded.vocab_size for i in range(40)]
 
-    def logits(streams: str) -> np.ndarray:
-        monkeypatch.setenv("PREFILLQ_CPU_STREAMS", streams)
+    def logits(count: str) -> np.ndarray:
+        monkeypatch.setenv("PREFILLQ_CPU_STREAMS", count)
         return loaded.start_prefill(ids, chunk_tokens=24).run()
 
     one = logits("1")
-    for streams in ("2", "4"):
-        np.testing.assert_array_equal(logits(streams), one)
+    for count in ("2", "4"):
+        np.testing.assert_array_equal(logits(count), one)
