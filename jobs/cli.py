@@ -251,11 +251,11 @@ def cmd_reap(args: argparse.Namespace) -> int:
 def cmd_tenants(args: argparse.Namespace) -> int:
     from redis import Redis
 
-    from .stats import read_cluster_stats_sync
+    from .stats import numbers_of, read_cluster_stats_sync
 
     conn = Redis.from_url(redis_url(args.redis))
     stats = read_cluster_stats_sync(conn)
-    weights = {k.decode(): v.decode() for k, v in conn.hgetall(keys.TENANT_WEIGHTS).items()}
+    weights = numbers_of(conn.hgetall(keys.TENANT_WEIGHTS))  # junk in the hash is skipped
     # the hash's weight (None: none there; a worker's --tenant-weights may give one)
     rows = [{"tenant": t, "weight": weights.get(t), **dataclasses.asdict(n)}
             for t, n in stats.tenants.items()]
@@ -265,7 +265,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     print(f"{'tenant':<20} {'weight':>6} {'queued':>7} {'prefilling':>10} {'tokens':>12} "
           f"{'service':>12}")
     for r in rows:
-        print(f"{r['tenant'] or '(none)':<20} {r['weight'] or '-':>6} {r['queued']:>7} "
+        weight = "-" if r["weight"] is None else f"{r['weight']:g}"
+        print(f"{r['tenant'] or '(none)':<20} {weight:>6} {r['queued']:>7} "
               f"{r['prefilling']:>10} {r['tokens_prefilled']:>12} {r['service']:>12.0f}")
     print(f"service spread between tenants with work: {stats.service_spread:.0f} tokens")
     return 0

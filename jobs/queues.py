@@ -99,11 +99,6 @@ def own_queue(redis: Redis, worker: str) -> Queue:
                  job_class=AdmissionJob)
 
 
-def intake_priorities(redis: Redis, model: str) -> list[int]:
-    """Priorities that have an intake queue for `model`, highest first (0 always)."""
-    return intake_levels(redis.smembers(keys.priorities(model)))
-
-
 def intake_levels(members: Iterable[bytes | int]) -> list[int]:
     """Decode SMEMBERS ``keys.priorities(model)``: the priorities, highest first (0 always)."""
     return sorted({0} | {int(p) for p in members}, reverse=True)

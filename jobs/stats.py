@@ -296,15 +296,17 @@ def _tenants(service: Mapping, tokens: Mapping, queued: Counter, per_worker: lis
     prefilling: Counter = Counter()
     for i in range(0, len(per_worker), _PER_WORKER):
         if per_worker[i]:  # a live worker's
-            prefilling.update({k: int(v) for k, v in _numbers(per_worker[i + 5]).items()})
-    service, tokens = _numbers(service), _numbers(tokens)
+            prefilling.update({k: int(v) for k, v in numbers_of(per_worker[i + 5]).items()})
+    service, tokens = numbers_of(service), numbers_of(tokens)
     names = set(queued) | set(prefilling) | set(service) | set(tokens)
     return {t: TenantStats(queued=queued[t], prefilling=prefilling[t],
                            tokens_prefilled=int(tokens.get(t, 0)),
                            service=float(service.get(t, 0.0))) for t in sorted(names)}
 
 
-def _numbers(raw: Mapping) -> dict[str, float]:
+def numbers_of(raw: Mapping) -> dict[str, float]:
+    """A Redis hash of numbers (HGETALL's reply) as ``{name: float}``; an entry whose name
+    is not UTF-8 or whose value is not a number is skipped."""
     out = {}
     for name, value in (raw or {}).items():
         try:

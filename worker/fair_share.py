@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from jobs.stats import numbers_of
+
 DEFAULT_WEIGHT = 1.0
 
 
@@ -52,16 +54,7 @@ def parse_weights(text: str) -> dict[str, float]:
 def decode_weights(raw: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
     """HGETALL ``keys.TENANT_WEIGHTS`` as ``{tenant: weight}``; entries that are not a
     finite weight above 0 are skipped (the tenant then weighs `DEFAULT_WEIGHT`)."""
-    weights = {}
-    for name, value in raw.items():
-        try:
-            weight = float(value)
-            tenant = name.decode() if isinstance(name, bytes) else name
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if 0 < weight < float("inf"):
-            weights[tenant] = weight
-    return weights
+    return {t: w for t, w in numbers_of(raw).items() if 0 < w < float("inf")}
 
 
 def admission_caps(tenants: list[str | None], held: Mapping[str, int], quota: int,
@@ -134,9 +127,13 @@ class FairShare:
             self.lifts[tenant] = floor - self.pending.get(tenant, 0.0)
             self.service[tenant] = floor
 
+    def rank(self, tenant: str) -> tuple[float, str]:
+        """`tenant`'s place in the fair share's order: least service first, ties by name."""
+        return self.of(tenant), tenant
+
     def order(self, tenants: Iterable[str]) -> list[str]:
-        """`tenants`, least service first (ties by name)."""
-        return sorted(set(tenants), key=lambda t: (self.of(t), t))
+        """`tenants` in `rank` order."""
+        return sorted(set(tenants), key=self.rank)
 
     def take_pending(self) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
         """``(lifts, charges, tokens)`` since the last call, for Redis: each lift a floor to
@@ -151,12 +148,7 @@ class FairShare:
     def observe(self, raw: Mapping[bytes | str, bytes | str]) -> None:
         """HGETALL ``keys.TENANT_SERVICE``, read after this worker's pending charges were
         added: the cluster's service now (plus charges made since they were taken)."""
-        service = {}
-        for name, value in raw.items():
-            try:
-                service[name.decode() if isinstance(name, bytes) else name] = float(value)
-            except (ValueError, UnicodeDecodeError):
-                continue
+        service = numbers_of(raw)
         for tenant, floor in self.lifts.items():
             service[tenant] = max(service.get(tenant, 0.0), floor)
         for tenant, amount in self.pending.items():

@@ -124,7 +124,6 @@ class Scheduler:
         self.room_needed = False  # a job waits for KV room: admit nothing until one leaves
         self.fair = FairShare(tenant_weights)
         self.tenant_max_resident = tenant_max_resident
-        self._queue_tenants: dict[str, str] = {}  # intake queue key -> its tenant
         self.name = name
         self._sent_held: dict[str, int] | None = None  # as keys.worker_tenants(name) holds
         # the intake levels in use, (priority, tenant, model) each, as last read
@@ -151,9 +150,9 @@ class Scheduler:
         empty look with `saw_intake`), else `Run` the next step (its jobs move to the back
         of the turn order), else `Idle`."""
         if self.intake_waiting:
-            queues = self.queues()
-            if queues:
-                return Admit(queues, self.caps(queues))
+            admit = self.admission()
+            if admit.queues:
+                return admit
         step = self.next_step()
         if step is None:
             return Idle()
@@ -297,6 +296,19 @@ class Scheduler:
         so there will be), only the intake queues of tenants with no job resident here,
         when `extra_slot`, else none. The intake levels in use are read from Redis at most
         every ``refresh_s`` seconds, and after `idle_queues`."""
+        return [queue for queue, _ in self._ordered(leaving)]
+
+    def admission(self) -> Admit:
+        """`queues` and, under ``tenant_max_resident``, how many jobs to take at most from
+        each (`worker.fair_share.admission_caps`: None without a quota)."""
+        ordered = self._ordered()
+        caps = None if self.tenant_max_resident is None else admission_caps(
+            [tenant for _, tenant in ordered], self.held(), self.tenant_max_resident,
+            self.room())
+        return Admit([queue for queue, _ in ordered], caps)
+
+    def _ordered(self, leaving: bool = False) -> list[tuple[Queue, str | None]]:
+        """`queues` of `leaving`, each with its tenant (None for the own queue)."""
         full = not (leaving or self.admitting())
         if full and not self.extra_slot():
             return []
@@ -307,26 +319,16 @@ class Scheduler:
         levels = [level for level in self._levels
                   if not (full and tenant_of(level[1]) in held)
                   and (quota is None or held.get(tenant_of(level[1]), 0) < quota)]
-        # the least served tenant first, its priorities highest first: (service, tenant,
-        # -priority, model); without tenants, by priority as before
+        # the least served tenant first, its priorities highest first; without tenants, by
+        # priority as before
         order = sorted(levels, key=lambda level: (
-            self.fair.of(tenant_of(level[1])), tenant_of(level[1]), -level[0], level[2]))
-        intake = [intake_queue(self.connection, m, p, t) for p, t, m in order]
-        self._queue_tenants.update((q.key, tenant_of(t)) for q, (_, t, _) in zip(
-            intake, order, strict=True))
-        return intake if full else [self.own, *intake]
+            *self.fair.rank(tenant_of(level[1])), -level[0], level[2]))
+        intake = [(intake_queue(self.connection, m, p, t), tenant_of(t)) for p, t, m in order]
+        return intake if full else [(self.own, None), *intake]
 
     def held(self) -> dict[str, int]:
         """Resident jobs by tenant."""
         return dict(Counter(tenant_of(a.tenant) for a in self.resident.values()))
-
-    def caps(self, queues: list[Queue]) -> list[int] | None:
-        """At most how many jobs an admission takes from each of `queues`
-        (`worker.fair_share.admission_caps` under ``tenant_max_resident``; None: no quota)."""
-        if self.tenant_max_resident is None:
-            return None
-        return admission_caps([self._queue_tenants.get(q.key) for q in queues], self.held(),
-                              self.tenant_max_resident, self.room())
 
     def queue_keys(self, leaving: bool = False) -> list[str]:
         """Redis keys of `queues` (of `leaving`), whose lengths ride along with a step's

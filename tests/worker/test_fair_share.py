@@ -187,12 +187,12 @@ def test_a_tenant_at_its_resident_quota_is_not_admitted_and_takes_are_capped(mak
             with conn.pipeline() as pipe:
                 enqueue_new(conn, f"{tenant}{i + 3}", MODEL, 0, pipe, tenant=tenant)
                 pipe.execute()
-    queues = scheduler.queues()
+    admit = scheduler.admission()
+    queues, caps = admit.queues, admit.caps
     # a is at its quota; the rest least served first, equals by name ("" the untenanted)
     assert [q.name for q in queues[1:]] == [keys.intake_queue(MODEL),
                                            keys.intake_queue(MODEL, 0, "b"),
                                            keys.intake_queue(MODEL, 0, "c")]
-    caps = scheduler.caps(queues)
     assert caps == [5, 2, 1, 2]  # the own queue: the room; "": 2 - 0; b: 2 - 1; c: 2 - 0
     taking = TakingQueue.for_worker("w1", conn)
     popped = taking.take(queues, scheduler.room(), conn, AdmissionJob, MsgpackSerializer, 60,
