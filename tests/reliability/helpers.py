@@ -28,7 +28,7 @@ JOB_INPUT_ERRORS = {"PromptTooLong", "PromptTooLarge", "EmptyPrompt", "TokenOutO
                     "CorruptJob"}
 # How an InvalidRequest's message starts: the field it names.
 FIELDS = ("prompt", "tokens", "messages", "add_generation_prompt", "model", "top_k",
-          "logits", "parse_special", "session", "priority", "prompt_logprobs",
+          "logits", "parse_special", "session", "priority", "tenant", "prompt_logprobs",
           "chunk_tokens", "idempotency_key", "max_attempts", "give exactly one of")
 
 
