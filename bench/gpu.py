@@ -120,8 +120,18 @@ def _first_layers(args, n_layers: int):
     return replace(args, num_hidden_layers=n_layers)
 
 
+# Gemma 3 4B's config.json (google/gemma-3-4b-pt): 34 layers, 8 query heads over 4 KV
+# heads of 256, a 1,024-token window in five of every six layers. The context is the
+# longest case's: it sizes the KV cache.
+GEMMA3_4B = gemma3.ModelArgs(
+    hidden_size=2560, num_hidden_layers=34, intermediate_size=10_240, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, vocab_size=262_208, rms_norm_eps=1e-6,
+    sliding_window=1024, rope_theta=1_000_000.0, context_length=32_768,
+)
+
 MODELS = {m.name: m for m in (
     GpuModel("gemma3-270m", GEMMA3_LABEL, GEMMA3_270M, GEMMA3_CASES),
+    GpuModel("gemma3-4b", "gemma3-4b shapes", GEMMA3_4B, LLAMA_CASES),
     GpuModel("llama3-8b", "llama-3-8b shapes", LLAMA3_8B, LLAMA_CASES, LLAMA3_SCALING),
     GpuModel("qwen3-4b", "qwen3-4b shapes", QWEN3_4B, LLAMA_CASES),
 )}

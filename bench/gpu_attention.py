@@ -14,7 +14,10 @@ from collections.abc import Iterable
 import mlx.core as mx
 
 from model.archs._attention import blocked_attention
+from model.kernels import flash_attention_sm90 as sm90
 from model.kernels.flash_attention import (
+    SM90_BLOCK_N,
+    SM90_WARPS,
     available,
     flash_attention,
     grid_plan,
@@ -50,18 +53,19 @@ def _inputs(H: int, KVH: int, L: int, position: int, window: int | None, D: int 
     return q, k, v
 
 
-def check(rec: Recorder, warps: int = 4) -> bool:
+def check(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
     """The kernel against the unfused MLX path (`model.archs._attention.blocked_attention` in
     float32 on the same bf16 inputs) at every shape of `CHECKS`: whole-prompt and
     chunk-at-an-offset causal attention, sliding windows, GQA groups of 1 and 4, lengths that
     are not block multiples; max |difference| over max |reference| within `BF16_TOLERANCE`.
+    `hopper`: the sm_90a path (`model.kernels.flash_attention_sm90`; `warps` then unused).
     """
     ok = True
     for H, KVH, L, position, window in CHECKS:
         q, k, v = _inputs(H, KVH, L, position, window)
         scale = 256 ** -0.5
-        ours = flash_attention(q, k, v, scale, position, window,
-                               warps=warps).astype(mx.float32)
+        ours = flash_attention(q, k, v, scale, position, window, warps=warps,
+                               hopper=hopper).astype(mx.float32)
         grouped = [x.astype(mx.float32) for x in (q, k, v)]
         if KVH != H:
             grouped[1] = mx.repeat(grouped[1], H // KVH, axis=1)
@@ -71,8 +75,21 @@ def check(rec: Recorder, warps: int = 4) -> bool:
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("flash_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
             heads=H, kv_heads=KVH, queries=L, position=position, window=window,
-            warps=warps, splits=grid_plan(1, H, L, k.shape[2], window, warps=warps)[1])
+            **_path(warps, hopper),
+            splits=_splits(H, L, k.shape[2], window, warps, hopper))
     return ok
+
+
+def _splits(H: int, L: int, N: int, window: int | None, warps: int, hopper: bool) -> int:
+    """The key splits `flash_attention` launches for these shapes on either path."""
+    if hopper:
+        return grid_plan(1, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS)[1]
+    return grid_plan(1, H, L, N, window, warps=warps)[1]
+
+
+def _path(warps: int, hopper: bool) -> dict:
+    """A record's fields naming the kernel path it measured."""
+    return {"path": "sm90 wgmma"} if hopper else {"path": "mma.sync", "warps": warps}
 
 
 def _seconds(fn, repeats: int = 5) -> float:
@@ -88,33 +105,72 @@ def _seconds(fn, repeats: int = 5) -> float:
 
 
 def micro(rec: Recorder, peers: Iterable[dict] = (),
-          shapes=((32, 4), (64, 4), (64, 8))) -> None:
+          shapes=((32, 4), (64, 4), (64, 8)), hopper: bool = False) -> None:
     """`MICRO` at each of its lengths; `shapes`: the kernel's (block_n, warps) to time;
     `peers`: the records `bench.gpu_peers.run_all` returned, for the ratios over torch.
 
     One global layer's causal attention (`MICRO`: 4 query heads of 256, 1 KV head, 8K and 32K
     queries), ours and MLX SDPA, fastest of 5 after a warm-up, as TFLOP/s of the causal work
     (`bench.common.causal_attention_flops`), each over torch SDPA's best backend at the same
-    shape (``over_torch_sdpa``), which torch measures first in processes of its own.
+    shape (``over_torch_sdpa``), which torch measures first in processes of its own;
+    `hopper`: the sm_90a path too.
     """
     for L in MICRO["queries"]:
-        _micro_at(rec, L, shapes, peers)
+        _micro_at(rec, L, shapes, peers, hopper)
 
 
-def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict]) -> None:
+def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool) -> None:
     H, D = MICRO["heads"], MICRO["head_dim"]
     q, k, v = _inputs(H, MICRO["kv_heads"], L, 0, None, D)
     flops = causal_attention_flops(L, H, D)
     for block_n, warps in shapes:
         s = _seconds(lambda b=block_n, w=warps: flash_attention(
-            q, k, v, D ** -0.5, 0, None, b, w), MICRO["repeats"])
+            q, k, v, D ** -0.5, 0, None, b, w, hopper=False), MICRO["repeats"])
         rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
-            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5),
+            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5), path="mma.sync",
             **attention_ratios(flops / s / 1e12, L, peers))
+    if hopper:
+        s = _seconds(lambda: flash_attention(q, k, v, D ** -0.5, 0, None, hopper=True),
+                     MICRO["repeats"])
+        rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
+            block_n=SM90_BLOCK_N, warps=SM90_WARPS, queries=L, seconds=round(s, 5),
+            path="sm90 wgmma", **attention_ratios(flops / s / 1e12, L, peers))
     s = _seconds(lambda: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=D ** -0.5, mask="causal"), MICRO["repeats"])
     rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="mlx sdpa", queries=L,
         seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
+
+
+# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages)
+SM90_VARIANTS = ((2, 2), (2, 1), (1, 2), (1, 1))
+
+
+def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
+    """Each of the sm_90a kernel's `variants` at `MICRO`'s shape, unsplit: TFLOP/s, and its
+    output's max |difference| from the default build's over max |default| (the choices move
+    only the schedule, so it should be 0)."""
+    for L in MICRO["queries"]:
+        _sweep_at(rec, L, variants)
+
+
+def _sweep_at(rec: Recorder, L: int, variants) -> None:
+    H, D = MICRO["heads"], MICRO["head_dim"]
+    q, k, v = _inputs(H, MICRO["kv_heads"], L, 0, None, D)
+    flops = causal_attention_flops(L, H, D)
+    params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
+    scale = mx.array([D ** -0.5], dtype=mx.float32)
+
+    def run(wg: int, stages: int) -> mx.array:
+        return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
+                           [q.shape], [q.dtype], warpgroups=wg, stages=stages)[0]
+
+    base = run(sm90.WARPGROUPS, sm90.STAGES).astype(mx.float32)
+    for wg, stages in variants:
+        s = _seconds(lambda w=wg, st=stages: run(w, st), MICRO["repeats"])
+        diff = float(mx.abs(run(wg, stages).astype(mx.float32) - base).max()
+                     / mx.abs(base).max())
+        rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
+            stages=stages, queries=L, seconds=round(s, 5), diff_from_default=diff)
 
 
 # Packed steps of several jobs' first chunks (`packed_flash_attention`): (H, KVH, lengths,
@@ -125,7 +181,7 @@ PACKED_CHECKS = [
 ]
 
 
-def check_packed(rec: Recorder, warps: int = 4) -> bool:
+def check_packed(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
     """`packed_flash_attention` against `flash_attention` of each job's rows alone at
     position 0 (itself checked by `check`), at every case of `PACKED_CHECKS`: max
     |difference| over max |reference| within `BF16_TOLERANCE`."""
@@ -133,25 +189,28 @@ def check_packed(rec: Recorder, warps: int = 4) -> bool:
     for H, KVH, lengths, window in PACKED_CHECKS:
         q, k, v = _inputs(H, KVH, sum(lengths), 0, None)
         scale = 256 ** -0.5
-        ours = packed_flash_attention(q, k, v, scale, lengths, window, warps=warps)
+        ours = packed_flash_attention(q, k, v, scale, lengths, window, warps=warps,
+                                      hopper=hopper)
         alone, start = [], 0
         for n in lengths:
             rows = slice(start, start + n)
             alone.append(flash_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], scale,
-                                         0, window, warps=warps))
+                                         0, window, hopper=False))
             start += n
         ref = mx.concatenate(alone, axis=2).astype(mx.float32)
         diff = float(mx.abs(ours.astype(mx.float32) - ref).max() / mx.abs(ref).max())
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("packed_flash_attention_check", diff, "max|diff|/max|ref|",
             ceiling=BF16_TOLERANCE, heads=H, kv_heads=KVH, lengths=list(lengths),
-            window=window, warps=warps)
+            window=window, **_path(warps, hopper))
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("python -m bench.gpu_attention", __doc__, json_lines=False)
     p.add_argument("--check", action="store_true", help="only the exactness check")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the sm_90a kernel's build variants (SM90_VARIANTS)")
     args = p.parse_args(argv)
     if not available():
         p.error(f"no CUDA GPU: MLX's default device is {mx.default_device()}")
@@ -162,9 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     # torch's processes first, before this one has used the GPU
     peers = [] if args.check else run_all(rec, attention_plan(MICRO))
     ok = check(rec) and check(rec, warps=8) and check_packed(rec) and check_packed(rec, 8)
+    hopper = sm90.compute_capability() == (9, 0)
+    if hopper:  # the sm_90a path beside the mma.sync one
+        ok &= check(rec, hopper=True) and check_packed(rec, hopper=True)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
-        micro(rec, peers)
+        micro(rec, peers, hopper=hopper)
+    if args.sweep and hopper:
+        sweep(rec)
     return 0 if ok else 1
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import flash_attention_sm90 as sm90
+
 SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
 # mma.sync, ldmatrix, cp.async and the online softmax, shared with sparse_attention.cu
 HEADER = (Path(__file__).with_name("mma.cuh")).read_text()
@@ -35,6 +37,10 @@ TARGET_BLOCKS = 264
 # repay (on the H200, Gemma 3's sliding layers see 9 blocks: docs/benchmarks.md has the
 # ablation).
 MIN_KEY_BLOCKS_PER_SPLIT = 32
+
+# The sm_90a path's block (`model.kernels.flash_attention_sm90`): warpgroups of 64 queries
+# (4 warps' worth of rows each) over `sm90.BLOCK_N` keys a step.
+SM90_BLOCK_N, SM90_WARPS = sm90.BLOCK_N, 4 * sm90.WARPGROUPS
 
 _kernels: dict[tuple[int, int, str, int], object] = {}
 # the kernel's variants: one chunk (its keys split or not), several jobs' chunks packed
@@ -93,26 +99,32 @@ def _float32s(*values: float) -> mx.array:
     return mx.array(values, dtype=mx.float32)
 
 
-def splits_for(q_blocks: int, key_blocks: int) -> int:
+def splits_for(q_blocks: int, key_blocks: int, target: int = TARGET_BLOCKS) -> int:
     """Key splits for a grid of `q_blocks` blocks over up to `key_blocks` key blocks each:
-    enough to reach `TARGET_BLOCKS`, each split `MIN_KEY_BLOCKS_PER_SPLIT` or more."""
-    want = -(-TARGET_BLOCKS // max(q_blocks, 1))
+    enough to reach `target` blocks, each split `MIN_KEY_BLOCKS_PER_SPLIT` or more."""
+    want = -(-target // max(q_blocks, 1))
     return max(1, min(want, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
 
 
 def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
-              warps: int = DEFAULT_WARPS) -> tuple[int, int]:
+              warps: int = DEFAULT_WARPS, target: int = TARGET_BLOCKS) -> tuple[int, int]:
     """``(query blocks per head, key splits)`` of `flash_attention` on `L` queries of `H`
-    heads (batch `B`) over `N` keys: a block sees at most ``window + rows`` keys."""
+    heads (batch `B`) over `N` keys: a block sees at most ``window + rows`` keys; splits
+    reach `target` blocks (`splits_for`)."""
     rows = ROWS_PER_WARP * warps
     q_blocks = -(-L // rows)
     visible = min(N, window + rows) if window else N
-    return q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n))
+    return q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n), target)
+
+
+def _hopper(wanted: bool | None) -> bool:
+    """Whether to take the sm_90a path: `wanted`, or where None whether it is available."""
+    return sm90.available() if wanted is None else wanted
 
 
 def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                     position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
-                    warps: int = DEFAULT_WARPS) -> mx.array:
+                    warps: int = DEFAULT_WARPS, hopper: bool | None = None) -> mx.array:
     """Causal (optionally sliding-window) attention of a chunk, fused.
 
     Args:
@@ -125,8 +137,11 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         position: the chunk's first position.
         window: the sliding window (a query at p sees keys in ``(p - window, p]``), or None;
             key blocks wholly outside it are never loaded.
-        block_n: keys per step (a multiple of 16).
-        warps: warps per block, 16 queries each.
+        block_n: keys per step (a multiple of 16; the mma.sync path's).
+        warps: warps per block, 16 queries each (the mma.sync path's).
+        hopper: True for the wgmma path (`model.kernels.flash_attention_sm90`: compute
+            capability 9.0, 128 queries and 64 keys a step), False for mma.sync, None for
+            the wgmma path where it is available.
     Returns:
         bf16 ``(B, H, L, D)``, equal to `model.archs._attention.blocked_attention` within bf16
         rounding (`bench.gpu_attention` checks it).
@@ -138,9 +153,20 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                          f"groups; got {q.dtype} q {q.shape}, keys {keys.dtype} {keys.shape}")
     B, H, L, D = q.shape
     KVH, N = keys.shape[1], keys.shape[2]
-    q_blocks, splits = grid_plan(B, H, L, N, window, block_n, warps)
+    target = TARGET_BLOCKS
+    if _hopper(hopper):
+        block_n, warps, target = SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS
+    q_blocks, splits = grid_plan(B, H, L, N, window, block_n, warps, target)
     params = _int32s(position, position - (N - L), window or 0, L, N, splits)
     inputs = [q, keys, values, params, _float32s(scale)]
+    if _hopper(hopper):
+        if splits == 1:
+            return sm90.launch("one", q, keys, values, params, inputs[4], q_blocks, 1,
+                          [(B, H, L, D)], [q.dtype])[0]
+        parts, lse = sm90.launch("split", q, keys, values, params, inputs[4], q_blocks, splits,
+                            [(B, H, splits, L, D), (B, H, splits, L)],
+                            [mx.float32, mx.float32])
+        return _combine(parts, lse, q.dtype)
     template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD),
                 ("WARPS", warps)]
     threads = 32 * warps
@@ -154,9 +180,14 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(B, H, splits, L, D), (B, H, splits, L)],
         output_dtypes=[mx.float32, mx.float32])
-    # each split's output weighted by its share of the softmax's denominator
+    return _combine(parts, lse, q.dtype)
+
+
+def _combine(parts: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The key splits' outputs ``(B, H, splits, L, D)``, each weighted by its share of the
+    softmax's denominator (from the log-sum-exps ``(B, H, splits, L)``)."""
     weights = mx.softmax(lse, axis=2)[..., None]
-    return (weights * parts).sum(axis=2).astype(q.dtype)
+    return (weights * parts).sum(axis=2).astype(dtype)
 
 
 @lru_cache(maxsize=64)
@@ -174,8 +205,8 @@ def query_blocks(lengths: tuple[int, ...], rows: int) -> mx.array:
 
 def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                            lengths: tuple[int, ...], window: int | None,
-                           block_n: int = DEFAULT_BLOCK_N, warps: int = DEFAULT_WARPS
-                           ) -> mx.array:
+                           block_n: int = DEFAULT_BLOCK_N, warps: int = DEFAULT_WARPS,
+                           hopper: bool | None = None) -> mx.array:
     """`flash_attention` of several jobs' chunks in one launch, each chunk at position 0
     attending causally to its own rows only (a job's first chunk: FlashAttention-2's
     variable-length layout, Dao 2023, with the per-block table on the host).
@@ -188,6 +219,7 @@ def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale:
         scale: the score scale.
         lengths: each job's rows, in order (positive).
         window: the sliding window, or None (as `flash_attention`).
+        block_n, warps, hopper: as `flash_attention`'s.
     Returns:
         bf16 ``(1, H, T, D)``: each job's rows as `flash_attention` gives them for that job
         alone at position 0.
@@ -200,6 +232,11 @@ def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale:
                          f"{HEAD_DIMS} and whole KV groups; got {q.dtype} q {q.shape}, keys "
                          f"{keys.dtype} {keys.shape}, lengths summing to {sum(lengths)}")
     _, H, T, D = q.shape
+    if _hopper(hopper):
+        blocks = query_blocks(tuple(lengths), ROWS_PER_WARP * SM90_WARPS)
+        return sm90.launch("packed", q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1),
+                      _float32s(scale), blocks.shape[0], 1, [(1, H, T, D)], [q.dtype],
+                      blocks=blocks)[0]
     rows = ROWS_PER_WARP * warps
     blocks = query_blocks(tuple(lengths), rows)
     threads = 32 * warps

@@ -35,10 +35,12 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Two floats as a bf16 pair, the register layout of an mma A operand.
+// Two floats as a bf16 pair rounded to nearest even, `lo` in the low half: the register
+// layout of an mma A operand.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+  uint32_t v;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(v) : "f"(hi), "f"(lo));
+  return v;
 }
 
 // The max and the sum over the 4 lanes that hold one row of an mma C fragment.

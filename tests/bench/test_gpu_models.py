@@ -118,5 +118,5 @@ def test_an_unknown_model_is_a_one_line_error():
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--models", "llama3-8b,gpt5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "argument --models: gpt5 is not among gemma3-270m, llama3-8b, qwen3-4b" in \
+    assert "argument --models: gpt5 is not among gemma3-270m, gemma3-4b, llama3-8b, qwen3-4b" in \
         done.stderr

@@ -1,0 +1,312 @@
+// Causal flash attention on Hopper (sm_90a): FlashAttention-2's forward pass (Dao, 2023,
+// Algorithm 1) with the matrix products on warpgroup MMA (`wgmma.mma_async`), the design of
+// FlashAttention-3 (Shah et al., 2024, "FlashAttention-3: Fast and Accurate Attention with
+// Asynchrony and Low-precision", sections 3.1-3.2) less its TMA producer warpgroup: K and V
+// tiles arrive by cp.async, two stages deep, while the consumer warpgroups compute.
+//
+// Compiled by NVRTC for sm_90a (model/kernels/flash_attention_sm90.py; mma.cuh's
+// header-free primitives are prepended) and launched through MLX's
+// `mx.fast.precompiled_cuda_kernel`, which passes the inputs, then the outputs, then the
+// scalars. Inputs (row-contiguous): q bf16 (B, H, Lq, D), k and v bf16 (B, KVH, N, D),
+// params int32 [position, k_start, window, L, N, splits] and scale float32 [1] (as
+// flash_attention.cu), and with PREFILLQ_PACKED the block table int32 (blocks, 3). Outputs:
+// out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
+// float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
+// Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64),
+// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
+//
+// Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
+// "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
+// 128 bytes, 1,024-byte aligned, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+// S = Q K^T reads both from shared memory (K-major); O += P V takes P from registers (the
+// accumulator layout of S is the A-fragment layout) and V from shared memory as an MN-major
+// (transposed) operand.
+
+#ifndef STAGES
+#define STAGES 2
+#endif
+
+constexpr int BLOCK_M = 64 * WARPGROUPS;
+constexpr int THREADS = 128 * WARPGROUPS;
+constexpr int REGIONS = D / 64;              // 64-column, 128-byte-wide swizzle regions
+constexpr int N_TILES = BLOCK_N / 8;         // S fragments of 8 keys
+constexpr int D_TILES = D / 8;               // O fragments of 8 dims
+constexpr int Q_BYTES = BLOCK_M * D * 2, KV_BYTES = BLOCK_N * D * 2;
+constexpr float LOG2E = 1.4426950408889634f;
+
+// The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
+__device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
+  return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// A wgmma shared-memory descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading and stride byte offsets (16-byte units), 128-byte swizzle.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead >> 4) << 16) |
+         ((uint64_t)(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Keep the compiler from moving reads or writes of accumulators across an asynchronous
+// wgmma: each register passes through an empty asm after the wait.
+template <int TILES>
+__device__ __forceinline__ void fence_registers(float (&x)[TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[j][e]) :: "memory");
+}
+
+#define PREFILLQ_ACC32(a, base)                                                          \
+  "+f"(a[base + 0][0]), "+f"(a[base + 0][1]), "+f"(a[base + 0][2]), "+f"(a[base + 0][3]), \
+  "+f"(a[base + 1][0]), "+f"(a[base + 1][1]), "+f"(a[base + 1][2]), "+f"(a[base + 1][3]), \
+  "+f"(a[base + 2][0]), "+f"(a[base + 2][1]), "+f"(a[base + 2][2]), "+f"(a[base + 2][3]), \
+  "+f"(a[base + 3][0]), "+f"(a[base + 3][1]), "+f"(a[base + 3][2]), "+f"(a[base + 3][3]), \
+  "+f"(a[base + 4][0]), "+f"(a[base + 4][1]), "+f"(a[base + 4][2]), "+f"(a[base + 4][3]), \
+  "+f"(a[base + 5][0]), "+f"(a[base + 5][1]), "+f"(a[base + 5][2]), "+f"(a[base + 5][3]), \
+  "+f"(a[base + 6][0]), "+f"(a[base + 6][1]), "+f"(a[base + 6][2]), "+f"(a[base + 6][3]), \
+  "+f"(a[base + 7][0]), "+f"(a[base + 7][1]), "+f"(a[base + 7][2]), "+f"(a[base + 7][3])
+
+#define PREFILLQ_D32                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// D (64 x 64, fp32, fragments base..base+7 of `d`) (+)= A B with A and B in shared memory,
+// both K-major (S = Q K^T); `accumulate` 0 overwrites D.
+template <int TILES>
+__device__ __forceinline__ void wgmma_ss(float (&d)[TILES][4], uint64_t a, uint64_t b,
+                                         int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : PREFILLQ_ACC32(d, 0)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D (64 x 64 fp32: fragments BASE..BASE+7 of `d`) += A B with A (64 x 16 bf16) from
+// registers and B from shared memory, MN-major (O += P V, V's rows are keys).
+template <int BASE, int TILES>
+__device__ __forceinline__ void wgmma_rs(float (&d)[TILES][4], uint32_t a0, uint32_t a1,
+                                         uint32_t a2, uint32_t a3, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
+      ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+      : PREFILLQ_ACC32(d, BASE)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
+    const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+    const uint16_t* __restrict__ v, const int* __restrict__ params,
+    const float* __restrict__ scale,
+#ifdef PREFILLQ_PACKED
+    const int* __restrict__ blocks,
+#endif
+#ifdef PREFILLQ_SPLIT
+    float* __restrict__ out, float* __restrict__ lse,
+#else
+    uint16_t* __restrict__ out,
+#endif
+    int H, int KVH, int q_rows, int kv_rows) {
+  const float NEG_INF = __int_as_float(0xff800000);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // 1,024-byte alignment for the swizzle atoms (the host asks for 1 KB more)
+  const uint32_t smem0 = (smem_address(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_smem = smem0;
+  const uint32_t k_smem = q_smem + Q_BYTES;             // STAGES K tiles
+  const uint32_t v_smem = k_smem + STAGES * KV_BYTES;   // STAGES V tiles
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y;
+  const int splits = params[5], b = blockIdx.z / splits, split = blockIdx.z % splits;
+  const int kvh = h / (H / KVH);
+  const int window = params[2];
+#ifdef PREFILLQ_PACKED
+  const int seq_row = blocks[3 * blockIdx.x], L = blocks[3 * blockIdx.x + 1];
+  const int m_block = blocks[3 * blockIdx.x + 2];
+  const int position = 0, k_start = 0, N = L;
+#else
+  // the longest rows first: a causal block's work grows with its index, and the last wave
+  // then holds the short ones (FlashAttention-2's ordering)
+  const int seq_row = 0, L = params[3], N = params[4], m_block = gridDim.x - 1 - blockIdx.x;
+  const int position = params[0], k_start = params[1];
+#endif
+  const float scale_log2 = scale[0] * LOG2E;
+
+  // row-contiguous inputs: strides from the shapes
+  const long q_row = D, k_row = D;
+  const uint16_t* qp = q + (((long)b * H + h) * q_rows + seq_row) * D;
+  const uint16_t* kp = k + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
+  const uint16_t* vp = v + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
+
+  // Q tile -> shared, swizzled (rows past L are zeros)
+  const int row0 = m_block * BLOCK_M;
+  for (int i = tid; i < BLOCK_M * D / 8; i += THREADS) {
+    int r = i / (D / 8), c = i % (D / 8);
+    bool ok = row0 + r < L;
+    cp_async16(q_smem + swizzled(r, c, BLOCK_M), qp + (long)(ok ? row0 + r : 0) * q_row + c * 8,
+               ok ? 16 : 0);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  // this block's queries' positions, and the keys any of them may see
+  const int first_q = position + row0;
+  const int last_q = position + min(row0 + BLOCK_M, L) - 1;
+  int lo = k_start;
+  if (window > 0) lo = max(lo, first_q - window + 1);
+  const int hi = min(k_start + N, last_q + 1);   // exclusive
+  int lo_block = k_start + ((lo - k_start) / BLOCK_N) * BLOCK_N;
+  int hi_block = hi;
+  if (splits > 1) {  // this split's share of the key blocks, whole blocks each
+    const int n_blocks = (hi - lo_block + BLOCK_N - 1) / BLOCK_N;
+    const int per = (n_blocks + splits - 1) / splits;
+    const int first = lo_block + split * per * BLOCK_N;
+    hi_block = min(hi, first + per * BLOCK_N);
+    lo_block = first;
+  }
+
+  // the two rows this thread holds in every accumulator fragment
+  const int r_lo = wg * 64 + warp * 16 + g, r_hi = r_lo + 8;
+  const int p_lo = position + row0 + r_lo, p_hi = position + row0 + r_hi;
+
+  float o[D_TILES][4];
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+
+  auto load_kv = [&](int stage, int kb) {
+    for (int i = tid; i < BLOCK_N * D / 8; i += THREADS) {
+      int r = i / (D / 8), c = i % (D / 8);
+      int key = kb + r - k_start;             // row in k and v; past N: zeros
+      bool ok = key < N;
+      uint32_t off = stage * KV_BYTES + swizzled(r, c, BLOCK_N);
+      cp_async16(k_smem + off, kp + (long)(ok ? key : 0) * k_row + c * 8, ok ? 16 : 0);
+      cp_async16(v_smem + off, vp + (long)(ok ? key : 0) * k_row + c * 8, ok ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
+  if (n_steps > 0) load_kv(0, lo_block);
+  for (int step = 0; step < n_steps; ++step) {
+    const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
+    if (STAGES > 1 && step + 1 < n_steps) {
+      load_kv((step + 1) % STAGES, kb + BLOCK_N);
+      asm volatile("cp.async.wait_group 1;\n" ::);   // this step's tiles (and Q) are in
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    // cp.async wrote through the generic proxy; wgmma reads through the async proxy
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps
+    float s[N_TILES][4];
+    const uint32_t q_wg = q_smem + wg * 64 * 128, k_tile = k_smem + stage * KV_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
+      wgmma_ss(s, smem_desc(q_wg + (kk / 4) * BLOCK_M * 128 + col, 16, 1024),
+               smem_desc(k_tile + (kk / 4) * BLOCK_N * 128 + col, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(s);
+
+    // mask (causal, window, past N) where a key block may cross an edge, scale to log2
+    // units, then the online softmax
+    const bool edge = kb + BLOCK_N - 1 > first_q || kb + BLOCK_N > k_start + N ||
+                      (window > 0 && kb <= last_q - window);
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = kb + j * 8 + t * 2 + (e & 1);
+        int p = e < 2 ? p_lo : p_hi;
+        bool ok = !edge || (key < k_start + N && key <= p && (window <= 0 || key > p - window));
+        s[j][e] = ok ? s[j][e] * scale_log2 : NEG_INF;
+      }
+    }
+    online_softmax<N_TILES, D_TILES>(s, o, m_lo, m_hi, l_lo, l_hi);
+
+    // O += P V: P's k-step of 16 keys is S fragments 2i and 2i + 1; V's region r holds
+    // dims 64r.. of every key row
+    // (P is packed to bf16 before the fence: registers written between a warpgroup's
+    // wgmmas make the compiler insert waits)
+    uint32_t pa[N_TILES / 2][4];
+#pragma unroll
+    for (int i = 0; i < N_TILES / 2; ++i) {
+      pa[i][0] = pack_bf16(s[2 * i][0], s[2 * i][1]);
+      pa[i][1] = pack_bf16(s[2 * i][2], s[2 * i][3]);
+      pa[i][2] = pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]);
+      pa[i][3] = pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3]);
+    }
+    const uint32_t v_tile = v_smem + stage * KV_BYTES;
+    fence_registers(o);   // O's rescale by the softmax happens here, before the fence
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < N_TILES / 2; ++i) {
+      const uint32_t rows = v_tile + i * 16 * 128;
+#define PREFILLQ_PV(R) \
+      if (REGIONS > R)   \
+        wgmma_rs<8 * R>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], \
+                        smem_desc(rows + R * BLOCK_N * 128, BLOCK_N * 128, 1024));
+      PREFILLQ_PV(0) PREFILLQ_PV(1) PREFILLQ_PV(2) PREFILLQ_PV(3)
+#undef PREFILLQ_PV
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(o);
+    __syncthreads();   // every warpgroup is done with this stage before it is refilled
+    if (STAGES == 1 && step + 1 < n_steps) load_kv(0, kb + BLOCK_N);
+  }
+
+  // the row sums across the 4 threads of a row, then O / l -> out
+  l_lo = quad_sum(l_lo);
+  l_hi = quad_sum(l_hi);
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  const int q_lo = row0 + r_lo, q_hi = row0 + r_hi;
+#ifdef PREFILLQ_SPLIT
+  const size_t slab = (((size_t)b * H + h) * splits + split) * (size_t)L;
+  float* op = out + slab * D;
+  if (t == 0) {  // one thread of the four that share a row writes its log-sum-exp
+    constexpr float LN2 = 0.6931471805599453f;
+    if (q_lo < L) lse[slab + q_lo] = l_lo > 0.f ? m_lo * LN2 + logf(l_lo) : NEG_INF;
+    if (q_hi < L) lse[slab + q_hi] = l_hi > 0.f ? m_hi * LN2 + logf(l_hi) : NEG_INF;
+  }
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) {
+    int c = j * 8 + t * 2;
+    if (q_lo < L)
+      *reinterpret_cast<float2*>(op + (size_t)q_lo * D + c) =
+          make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
+    if (q_hi < L)
+      *reinterpret_cast<float2*>(op + (size_t)q_hi * D + c) =
+          make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
+  }
+#else
+  uint16_t* op = out + (((size_t)b * H + h) * (size_t)q_rows + seq_row) * D;
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) {
+    int c = j * 8 + t * 2;
+    if (q_lo < L)
+      *reinterpret_cast<uint32_t*>(op + (size_t)q_lo * D + c) =
+          pack_bf16(o[j][0] * inv_lo, o[j][1] * inv_lo);
+    if (q_hi < L)
+      *reinterpret_cast<uint32_t*>(op + (size_t)q_hi * D + c) =
+          pack_bf16(o[j][2] * inv_hi, o[j][3] * inv_hi);
+  }
+#endif
+}

@@ -1,0 +1,112 @@
+"""The fused attention kernel's Hopper path: warpgroup MMA (`wgmma`) on sm_90a.
+
+``flash_attention_sm90.cu`` computes what ``flash_attention.cu`` computes (the same
+inputs, variants, masking and split plan) with FlashAttention-3's matrix products: 64 query
+rows per warpgroup, S = Q K^T and O += P V as asynchronous warpgroup MMAs over swizzled
+shared-memory tiles, P from registers. MLX's own JIT targets plain sm_90, where `wgmma` is
+refused, so the source goes through NVRTC (`model.kernels.nvrtc`) for sm_90a and runs through
+`mx.fast.precompiled_cuda_kernel`. `model.kernels.flash_attention` takes this path on a
+compute capability 9.0 GPU unless ``$PREFILLQ_HOPPER_ATTENTION`` is ``0``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from .nvrtc import NvrtcError, compile_cubin
+
+SOURCE = Path(__file__).with_name("flash_attention_sm90.cu").read_text()
+HEADER = Path(__file__).with_name("mma.cuh").read_text()
+# NVRTC has no C library headers: the fixed-width types the kernels use
+PRELUDE = ("typedef unsigned short uint16_t;\ntypedef unsigned int uint32_t;\n"
+           "typedef unsigned long long uint64_t;\n")
+ENV = "PREFILLQ_HOPPER_ATTENTION"
+ARCH = "sm_90a"
+BLOCK_N = 64          # keys a step: the n of S's wgmma (m64n64k16)
+WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup
+STAGES = 2            # K/V buffers: the next tile loads while this one is used
+# One block fills a multiprocessor (its shared memory): key splits aim at one block per
+# multiprocessor of an H100/H200 (132), not flash_attention.TARGET_BLOCKS' two
+TARGET_BLOCKS = 132
+ONE, SPLIT, PACKED = "one", "split", "packed"
+_DEFINES = {ONE: (), SPLIT: ("-DPREFILLQ_SPLIT=1",), PACKED: ("-DPREFILLQ_PACKED=1",)}
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """``(major, minor)`` of MLX's default GPU from `mx.device_info`'s architecture (such
+    as ``"sm_90"``), or None off CUDA or where it does not say."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return None
+    arch = str(mx.device_info().get("architecture", ""))
+    digits = re.search(r"(\d+)", arch)
+    if not digits or len(digits.group(1)) < 2:
+        return None
+    return int(digits.group(1)[:-1]), int(digits.group(1)[-1])
+
+
+@cache
+def available() -> bool:
+    """True on a compute capability 9.0 GPU (H100, H200) with ``$PREFILLQ_HOPPER_ATTENTION``
+    not ``0`` and a kernel NVRTC compiles; read once per process."""
+    if os.environ.get(ENV, "1") == "0" or compute_capability() != (9, 0):
+        return False
+    try:
+        _cubin(256, ONE, BLOCK_N, WARPGROUPS, STAGES)
+    except NvrtcError:
+        return False
+    return True
+
+
+def shared_bytes(head_dim: int, block_n: int = BLOCK_N, warpgroups: int = WARPGROUPS,
+                 stages: int = STAGES) -> int:
+    """Dynamic shared memory of one block: the Q tile, `stages` K and V tiles, and 1 KB to
+    align them to the swizzle's 1,024-byte atoms."""
+    return (64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 1024
+
+
+def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> str:
+    """The ``extern "C"`` name of one compiled variant (MLX caches modules by it)."""
+    return f"prefillq_fa_sm90_d{head_dim}_n{block_n}_wg{warpgroups}_s{stages}_{variant}"
+
+
+@cache
+def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> bytes:
+    name = kernel_name(head_dim, variant, block_n, warpgroups, stages)
+    options = (f"-DKERNEL_NAME={name}", f"-DD={head_dim}", f"-DBLOCK_N={block_n}",
+               f"-DWARPGROUPS={warpgroups}", f"-DSTAGES={stages}", "--use_fast_math",
+               *_DEFINES[variant])
+    return compile_cubin(PRELUDE + HEADER + SOURCE, name + ".cu", ARCH, options)
+
+
+def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
+           params: mx.array, scale: mx.array, grid_x_blocks: int, splits: int,
+           output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+           blocks: mx.array | None = None, block_n: int = BLOCK_N,
+           warpgroups: int = WARPGROUPS, stages: int = STAGES) -> list[mx.array]:
+    """Launch one variant over `grid_x_blocks` query blocks x H heads x (B x `splits`).
+
+    Args:
+        variant: `ONE`, `SPLIT` or `PACKED` (as ``flash_attention.cu``'s).
+        q: bf16 ``(B, H, Lq, D)``; keys, values: bf16 ``(B, KVH, N, D)``; copied to
+            row-contiguous first where they are not (MLX does it).
+        params: int32 ``[position, k_start, window, L, N, splits]``; scale: float32 ``[1]``.
+        blocks: the packed variant's int32 ``(blocks, 3)`` table (`query_blocks`).
+    Returns:
+        The kernel's outputs, as `output_shapes` and `output_dtypes` say.
+    """
+    B, H, Lq, D = q.shape
+    threads = 128 * warpgroups
+    inputs = [q, keys, values, params, scale] + ([blocks] if blocks is not None else [])
+    return mx.fast.precompiled_cuda_kernel(
+        name=kernel_name(D, variant, block_n, warpgroups, stages),
+        compiled_source=_cubin(D, variant, block_n, warpgroups, stages),
+        inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+        scalars=[H, keys.shape[1], Lq, keys.shape[2]],
+        grid=(grid_x_blocks * threads, H, B * splits), threadgroup=(threads, 1, 1),
+        shared_memory=shared_bytes(D, block_n, warpgroups, stages),
+        ensure_row_contiguous=True)

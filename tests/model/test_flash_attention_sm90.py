@@ -1,0 +1,64 @@
+"""The Hopper attention kernel's host side on the CPU: NVRTC builds every variant for sm_90a
+(no GPU needed to compile), the source needs sm_90a's instructions, the block fits a Hopper
+multiprocessor's shared memory, and the CPU never takes the path. The kernel's results are
+checked on the GPU: `python -m bench.gpu_attention --check`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from model.kernels import flash_attention as fa
+from model.kernels import flash_attention_sm90 as sm90
+from model.kernels.nvrtc import NvrtcError, compile_cubin, library
+
+# Hopper's largest opt-in dynamic shared memory a block (H100/H200: 227 KB)
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+def _nvrtc_or_skip():
+    try:
+        library()
+    except NvrtcError as e:  # the test extra installs nvidia-cuda-nvrtc on Linux x86-64
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
+def test_every_variant_compiles_for_sm_90a(variant):
+    _nvrtc_or_skip()
+    cubin = sm90._cubin(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
+    assert cubin[:4] == b"\x7fELF"
+    name = sm90.kernel_name(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
+    assert name.encode() in cubin   # extern "C": the name MLX looks the kernel up by
+
+
+def test_the_source_needs_the_architecture_specific_target():
+    # wgmma is refused on plain sm_90 (MLX's own JIT target): why the kernel goes through
+    # NVRTC for sm_90a at all
+    _nvrtc_or_skip()
+    with pytest.raises(NvrtcError, match="wgmma"):
+        compile_cubin(sm90.PRELUDE + sm90.HEADER + sm90.SOURCE, "plain.cu", "sm_90",
+                      ("-DKERNEL_NAME=plain", "-DD=256", "-DBLOCK_N=64", "-DWARPGROUPS=2"))
+
+
+def test_a_compile_error_carries_nvrtc_log():
+    _nvrtc_or_skip()
+    with pytest.raises(NvrtcError, match=r"(?s)broken.cu does not compile.*is undefined"):
+        compile_cubin('extern "C" __global__ void k() { undefined_name(); }', "broken.cu",
+                      "sm_90a")
+
+
+def test_a_block_fits_a_hopper_multiprocessor():
+    assert sm90.shared_bytes(256) <= HOPPER_SHARED_BYTES
+    # Q (128 rows), two stages of K and V (64 rows each), 256 bf16 wide, and 1 KB of alignment
+    assert sm90.shared_bytes(256) == (128 + 4 * 64) * 256 * 2 + 1024
+
+
+def test_the_cpu_never_takes_the_hopper_path():
+    assert sm90.compute_capability() is None and not sm90.available()
+    assert not fa._hopper(None)
+    # the mma.sync path's rows a block stay what its plan says; the sm_90a path plans with
+    # two warpgroups' 128 rows
+    assert fa.SM90_WARPS * fa.ROWS_PER_WARP == 64 * sm90.WARPGROUPS
+    q = mx.zeros((1, 4, 8, 256), dtype=mx.bfloat16)
+    assert not fa.applies(q, q[:, :1])
