@@ -12,6 +12,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from model.kernels import flash_attention_sm90 as sm90
 from model.kernels.flash_attention import available
 from model.start import start_prefill
 
@@ -19,6 +20,7 @@ from . import gpu_deepseek4
 from .common import Recorder, log
 from .gpu import MODELS, gemma3_model
 from .gpu_attention import check as kernel_check
+from .gpu_attention import check_packed as packed_check
 
 # Chunked vs one pass in bf16, as max |diff| / max |logit|. Both sides round every
 # activation to bf16 (relative step 2^-8 ~ 3.9e-3) through 18 layers, and differ in the
@@ -41,6 +43,15 @@ def fused_kernel_4_warps(rec: Recorder) -> bool:
 def fused_kernel_8_warps(rec: Recorder) -> bool:
     """`bench.gpu_attention.check` at 8 warps per block."""
     return kernel_check(rec, warps=8)
+
+
+def fused_kernel_sm90(rec: Recorder) -> bool:
+    """`bench.gpu_attention.check` and `check_packed` on the sm_90a (wgmma) path: on a
+    compute capability 9.0 GPU only (elsewhere recorded as skipped, and passing)."""
+    if sm90.compute_capability() != (9, 0):
+        rec("flash_attention_sm90_check_skipped", 1, "", reason="not a Hopper GPU")
+        return True
+    return kernel_check(rec, hopper=True) and packed_check(rec, hopper=True)
 
 
 def compare_logits(chunked: np.ndarray, whole: np.ndarray) -> dict:
@@ -102,6 +113,14 @@ def llama3_8b_chunked_equals_one_pass(rec: Recorder) -> bool:
     return chunked_equals_one_pass(rec, MODELS["llama3-8b"].build(n_layers=LLAMA_CHECK_LAYERS))
 
 
+def gemma3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
+    """`chunked_equals_one_pass` on the first `LLAMA_CHECK_LAYERS` layers at Gemma 3 4B
+    shapes (bf16, 8 query heads over 4 KV heads, five 1,024-token windows and a global
+    layer in every six)."""
+    mx.random.seed(SEED)
+    return chunked_equals_one_pass(rec, MODELS["gemma3-4b"].build(n_layers=LLAMA_CHECK_LAYERS))
+
+
 def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
     """`chunked_equals_one_pass` on the first `LLAMA_CHECK_LAYERS` layers at Qwen3 4B
     shapes (bf16, q/k norms, tied head)."""
@@ -110,8 +129,9 @@ def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
 
 
 CHECKS: list[Callable[[Recorder], bool]] = [
-    fused_kernel_4_warps, fused_kernel_8_warps, chunked_equals_one_pass,
-    llama3_8b_chunked_equals_one_pass, qwen3_4b_chunked_equals_one_pass,
+    fused_kernel_4_warps, fused_kernel_8_warps, fused_kernel_sm90, chunked_equals_one_pass,
+    gemma3_4b_chunked_equals_one_pass, llama3_8b_chunked_equals_one_pass,
+    qwen3_4b_chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,
     gpu_deepseek4.check_padded_experts]
 

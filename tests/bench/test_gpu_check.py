@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_checks_are_functions_of_a_recorder():
     assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
+                                gpu_check.fused_kernel_sm90,
                                 gpu_check.chunked_equals_one_pass,
+                                gpu_check.gemma3_4b_chunked_equals_one_pass,
                                 gpu_check.llama3_8b_chunked_equals_one_pass,
                                 gpu_check.qwen3_4b_chunked_equals_one_pass,
                                 gpu_deepseek4.check_sparse_kernel,
@@ -52,6 +54,12 @@ def test_every_check_runs_and_one_failure_fails_the_run(capsys):
     assert gpu_check.run_checks(rec, [passes, passes]) is True
     assert gpu_check.run_checks(rec, []) is True
     assert "fails: FAILED" in capsys.readouterr().err
+
+
+def test_the_hopper_check_is_skipped_off_hopper(capsys):
+    rec = Recorder(True, {})
+    assert gpu_check.fused_kernel_sm90(rec) is True
+    assert "flash_attention_sm90_check_skipped" in capsys.readouterr().out
 
 
 def test_compare_logits_measures_against_the_largest_logit():
