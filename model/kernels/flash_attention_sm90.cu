@@ -150,13 +150,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   const uint16_t* kp = k + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
   const uint16_t* vp = v + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
 
+  // Every tile is copied 16 bytes a thread, a row's D / 8 chunks by consecutive threads:
+  // this thread's chunk column and first row are fixed, its rows ROWS_PER_PASS apart
+  constexpr int ROWS_PER_PASS = THREADS / (D / 8);
+  const int copy_row = tid / (D / 8), copy_col = tid % (D / 8);
+
   // Q tile -> shared, swizzled (rows past L are zeros)
   const int row0 = m_block * BLOCK_M;
-  for (int i = tid; i < BLOCK_M * D / 8; i += THREADS) {
-    int r = i / (D / 8), c = i % (D / 8);
+#pragma unroll
+  for (int r = copy_row; r < BLOCK_M; r += ROWS_PER_PASS) {
     bool ok = row0 + r < L;
-    cp_async16(q_smem + swizzled(r, c, BLOCK_M), qp + (long)(ok ? row0 + r : 0) * q_row + c * 8,
-               ok ? 16 : 0);
+    cp_async16(q_smem + swizzled(r, copy_col, BLOCK_M),
+               qp + (long)(ok ? row0 + r : 0) * q_row + copy_col * 8, ok ? 16 : 0);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
@@ -186,13 +191,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
   auto load_kv = [&](int stage, int kb) {
-    for (int i = tid; i < BLOCK_N * D / 8; i += THREADS) {
-      int r = i / (D / 8), c = i % (D / 8);
+#pragma unroll
+    for (int r = copy_row; r < BLOCK_N; r += ROWS_PER_PASS) {
       int key = kb + r - k_start;             // row in k and v; past N: zeros
       bool ok = key < N;
-      uint32_t off = stage * KV_BYTES + swizzled(r, c, BLOCK_N);
-      cp_async16(k_smem + off, kp + (long)(ok ? key : 0) * k_row + c * 8, ok ? 16 : 0);
-      cp_async16(v_smem + off, vp + (long)(ok ? key : 0) * k_row + c * 8, ok ? 16 : 0);
+      uint32_t off = stage * KV_BYTES + swizzled(r, copy_col, BLOCK_N);
+      long src = (long)(ok ? key : 0) * k_row + copy_col * 8;
+      cp_async16(k_smem + off, kp + src, ok ? 16 : 0);
+      cp_async16(v_smem + off, vp + src, ok ? 16 : 0);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -201,15 +207,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   if (n_steps > 0) load_kv(0, lo_block);
   for (int step = 0; step < n_steps; ++step) {
     const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
-    if (STAGES > 1 && step + 1 < n_steps) {
-      load_kv((step + 1) % STAGES, kb + BLOCK_N);
-      asm volatile("cp.async.wait_group 1;\n" ::);   // this step's tiles (and Q) are in
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-    }
+    asm volatile("cp.async.wait_group 0;\n" ::);   // this step's tiles (and Q) are in
     // cp.async wrote through the generic proxy; wgmma reads through the async proxy
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // every thread's copies are in, and every warpgroup is done with the previous step, so
+    // its stage may be refilled: the next tiles load while this step computes
     __syncthreads();
+    if (STAGES > 1 && step + 1 < n_steps) load_kv((step + 1) % STAGES, kb + BLOCK_N);
 
     // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps
     float s[N_TILES][4];
@@ -239,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
         s[j][e] = ok ? s[j][e] * scale_log2 : NEG_INF;
       }
     }
-    online_softmax<N_TILES, D_TILES>(s, o, m_lo, m_hi, l_lo, l_hi);
+    online_softmax<N_TILES, D_TILES, true>(s, o, m_lo, m_hi, l_lo, l_hi);
 
     // O += P V: P's k-step of 16 keys is S fragments 2i and 2i + 1; V's region r holds
     // dims 64r.. of every key row
@@ -269,8 +273,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     wgmma_commit();
     wgmma_wait_all();
     fence_registers(o);
-    __syncthreads();   // every warpgroup is done with this stage before it is refilled
-    if (STAGES == 1 && step + 1 < n_steps) load_kv(0, kb + BLOCK_N);
+    if (STAGES == 1 && step + 1 < n_steps) {   // one buffer: refilled once all are done
+      __syncthreads();
+      load_kv(0, kb + BLOCK_N);
+    }
   }
 
   // the row sums across the 4 threads of a row, then O / l -> out

@@ -102,8 +102,10 @@ __device__ __forceinline__ void pv_tiles(float (&o)[O_TILES][4], const float (&p
 // NEG_INF where masked; on return it holds P = exp2(s - m_new), the running maxima `m_*`
 // and partial row sums `l_*` (this thread's columns; quad_sum them at the end) are
 // updated, and O is rescaled by exp2(m_old - m_new). A row that has seen no key yet keeps
-// m = NEG_INF and P = 0 (never exp2(NEG_INF - NEG_INF)).
-template <int N_TILES, int O_TILES>
+// m = NEG_INF and P = 0 (never exp2(NEG_INF - NEG_INF)). With SKIP_UNMOVED, a warp whose
+// rows' maxima all stayed skips O's rescale (the factor is exactly 1.0 there, so no bit
+// changes; after the first key blocks most steps skip).
+template <int N_TILES, int O_TILES, bool SKIP_UNMOVED = false>
 __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o)[O_TILES][4],
                                                float& m_lo, float& m_hi, float& l_lo,
                                                float& l_hi) {
@@ -129,11 +131,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o
   }
   l_lo = l_lo * alpha_lo + sum_lo;
   l_hi = l_hi * alpha_hi + sum_hi;
+  const bool moved = !SKIP_UNMOVED || __any_sync(0xffffffff, new_lo != m_lo || new_hi != m_hi);
   m_lo = new_lo;
   m_hi = new_hi;
+  if (moved) {
 #pragma unroll
-  for (int j = 0; j < O_TILES; ++j) {
-    o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
-    o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+    for (int j = 0; j < O_TILES; ++j) {
+      o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
+      o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+    }
   }
 }
