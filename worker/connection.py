@@ -216,3 +216,13 @@ def until_accepted(connection, write: Callable[[], T], what: str) -> T:
     if refused_at:
         log.info("Redis accepted %s after %.1f s", what, time.monotonic() - refused_at[0])
     return result
+
+
+def unless_refused(what: str, call, *args, **kwargs) -> None:
+    """Call `call`; log instead of raising when Redis refuses its write (maxmemory)."""
+    try:
+        call(*args, **kwargs)
+    except Exception as error:
+        if not refused_write(error):
+            raise
+        log.warning("Redis refused %s: %s", what, error)

@@ -28,7 +28,14 @@ from .active import ActiveJob
 from .checkpoints.checkpointing import Checkpointing
 from .checkpoints.policy import CheckpointPolicy
 from .checkpoints.store import open_store
-from .connection import RedisUnreachable, gave_up, give_up_after, refused_write, until_accepted
+from .connection import (
+    RedisUnreachable,
+    gave_up,
+    give_up_after,
+    refused_write,
+    unless_refused,
+    until_accepted,
+)
 from .faults import FaultPlan
 from .heartbeat import Heartbeat
 from .scheduler import Admit, Idle, Run, Scheduler
@@ -73,16 +80,6 @@ def current_worker() -> PrefillWorker:
 
 def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def _unless_refused(what: str, call, *args, **kwargs) -> None:
-    """Call `call`; log instead of raising when Redis refuses its write (maxmemory)."""
-    try:
-        call(*args, **kwargs)
-    except Exception as error:
-        if not refused_write(error):
-            raise
-        log.warning("Redis refused %s: %s", what, error)
 
 
 class PrefillWorker(SimpleWorker):
@@ -200,13 +197,12 @@ class PrefillWorker(SimpleWorker):
         if state != WorkerStatus.STARTED:
             super().set_state(state, pipeline)
         else:  # written once at start and replaced by the next state: skipped if refused
-            _unless_refused("RQ's STARTED state", super().set_state, state, pipeline)
+            unless_refused("RQ's STARTED state", super().set_state, state, pipeline)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-        # RQ asks for the next execution. The scheduler decides: a job to admit is returned
-        # to RQ for its one execution; a step of resident jobs runs here; with nothing
-        # resident, block on intake as RQ does. While Redis refuses RQ's own writes
-        # (maxmemory), wait for room instead of quitting.
+        # RQ asks for its next execution; none is returned. Waiting jobs are admitted in bulk,
+        # a step of resident jobs runs here, an idle worker blocks as RQ does and admits the
+        # job that woke it the same way; a refused write (maxmemory) waits for room.
         while True:
             self.stepper.settle()
             if self._stop_requested:
@@ -224,9 +220,11 @@ class PrefillWorker(SimpleWorker):
                 continue
             assert isinstance(decision, Idle)
             try:
-                admitted = self._block_on_intake(timeout, max_idle_time)
-                self.prefill_scheduler.saw_intake(admitted is not None)  # more may wait
-                return admitted
+                woken = self._block_on_intake(timeout, max_idle_time)
+                self.prefill_scheduler.saw_intake(woken is not None)  # more may wait
+                if woken is None:
+                    return None
+                self._start_popped([woken])
             except Exception as error:
                 if not refused_write(error):
                     raise
@@ -250,18 +248,22 @@ class PrefillWorker(SimpleWorker):
 
     def _admit(self, queues: list[Queue], caps: list[int] | None = None) -> bool:
         """Admit as many jobs waiting in `queues` as there is room for (and `caps` allow,
-        `Admit.caps`), in order, in a few
-        round trips whatever their number (`TakingQueue.take`, `Stepper.admit`), instead of
-        one RQ execution each; returns whether any was waiting. Each popped RQ job is
-        checked as RQ's execution would be (`jobs.queues.refusal`: a refused one goes to
-        RQ's failed registry), and its pop stays recorded for the reaper until the job is
-        started or put back."""
+        `Admit.caps`), in order, in a few round trips whatever their number
+        (`TakingQueue.take`, `_start_popped`); returns whether any was waiting."""
         popped = self.queue_class.take(
             queues, self.prefill_scheduler.room(), connection=self.connection,
             job_class=self.job_class, serializer=self.serializer,
             expire_s=self.settings.result_ttl_s, caps=caps)
         if not popped:
             return False
+        self._start_popped(popped)
+        return True
+
+    def _start_popped(self, popped: list[tuple[Job, Queue]]) -> None:
+        """Start the RQ jobs `popped` (their pops recorded for the reaper until now): each is
+        checked as RQ's execution would be (`jobs.queues.refusal`: a refused one goes to
+        RQ's failed registry), the rest are admitted together (`Stepper.admit`) instead of
+        one RQ execution each, and every pop is then forgotten."""
         admitted = []
         for job, queue in popped:
             reason = refusal(job)
@@ -274,7 +276,6 @@ class PrefillWorker(SimpleWorker):
         finally:
             taken_in_bulk(self.connection, self.name, [job for job, _ in popped],
                           done=admitted)
-        return True
 
     def _maintain(self) -> None:
         """RQ's worker heartbeat and maintenance, which its own loop runs between
@@ -315,13 +316,13 @@ class PrefillWorker(SimpleWorker):
 
     # RQ's own liveness and housekeeping writes: one Redis refuses is skipped this turn
     def heartbeat(self, *args, **kwargs):
-        _unless_refused("RQ's worker heartbeat", super().heartbeat, *args, **kwargs)
+        unless_refused("RQ's worker heartbeat", super().heartbeat, *args, **kwargs)
 
     def run_maintenance_tasks(self):
-        _unless_refused("RQ's maintenance", super().run_maintenance_tasks)
+        unless_refused("RQ's maintenance", super().run_maintenance_tasks)
 
     def check_for_suspension(self, burst: bool):
-        _unless_refused("RQ's suspension check", super().check_for_suspension, burst)
+        unless_refused("RQ's suspension check", super().check_for_suspension, burst)
 
     def request_stop(self, signum, frame):
         # From now on a Redis that stays unreachable for one heartbeat TTL ends the worker.

@@ -83,3 +83,34 @@ def test_a_full_worker_fills_the_room_a_step_frees_without_an_rq_execution(count
     assert executed == []
     for job, t in zip(jobs, token_ids, strict=True):
         assert_logits_match(client.result(job, timeout=0), tiny, t)
+
+
+def test_the_job_that_wakes_an_idle_worker_costs_no_rq_execution(counted, tiny):
+    """A worker blocked in RQ's dequeue with nothing queued: each job that wakes it is
+    started as a bulk take's are, its pop forgotten and its RQ hash deleted, and the worker
+    goes back to blocking (it stops after `max_idle_time` with nothing more)."""
+    import threading
+    import time
+
+    worker, client = counted(max_active=2)
+    executed = []
+    execute_job = worker.execute_job
+    worker.execute_job = lambda job, queue: (executed.append(job.id), execute_job(job, queue))
+    token_ids = [ids(20, 61), ids(40, 62)]
+    results = []
+
+    def submit_one_at_a_time():  # each job waits for the one before: each wakes the worker
+        time.sleep(0.5)  # the worker is blocked in the dequeue by now
+        for t in token_ids:
+            job = client.submit(tokens=t, model=MODEL, top_k=3)
+            results.append(client.result(job, timeout=20))
+
+    submitter = threading.Thread(target=submit_one_at_a_time)
+    submitter.start()
+    worker.work(burst=False, max_idle_time=3, logging_level="WARNING")  # signals: main thread
+    submitter.join(30)
+    assert len(results) == 2 and executed == []
+    for result, t in zip(results, token_ids, strict=True):
+        assert_logits_match(result, tiny, t)
+    assert client.redis.smembers(keys.worker_taking("w1")) == set()
+    assert not client.redis.keys("rq:job:*")
