@@ -67,7 +67,7 @@ def reap(redis: Redis, *, result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> list[Reap
         ended = []
         held = {raw.decode("utf-8", "replace")
                 for raw in redis.smembers(keys.worker_jobs(worker))}
-        # dequeued, not started: REAP answers fenced and the job gets a new RQ execution
+        # dequeued, not started: REAP answers fenced and the job is enqueued for a new take
         taking = {job_id_of(raw.decode("utf-8", "replace"))
                   for raw in redis.smembers(keys.worker_taking(worker))}
         for job_id in sorted(held | taking):

@@ -38,9 +38,10 @@ REDIS_OOM = "RedisOutOfMemory"
 class Stepper(Starts):
     """Runs chunks of the jobs resident on worker `name` and records their transitions.
 
-    A job costs one RQ execution, ``advance_prefill(job_id)``, when the worker admits it
-    (`admit`): its record is decoded (`worker.intake.read_records`: one that does not decode
-    fails with ``CorruptJob``), checked again as `submit` checks it, tokenized, validated and
+    A job popped from intake (in bulk, or the one that woke an idle worker: never an RQ
+    execution) is admitted here (`admit`): its record is decoded
+    (`worker.intake.read_records`: one that does not decode fails with ``CorruptJob``),
+    checked again as `submit` checks it, tokenized, validated and
     planned (`worker.prepare`), its cache allocated, and it is taken atomically
     (``queued -> prefilling``, `jobs.scripts.start`; the chunk plan recorded at its first
     start is reused by every later one). Its chunks run in the steps the scheduler picks

@@ -1,6 +1,6 @@
 """Dequeuing that a worker's death cannot lose a job to.
 
-Every pop is recorded in the worker's taking set until the job's RQ execution returns, and
+Every pop is recorded in the worker's taking set until the job is started or put back, and
 the reaper (`jobs.reaper`) re-enqueues the jobs a dead worker was taking.
 """
 
@@ -32,9 +32,9 @@ class TakingQueue(Queue):
     RQ pops a job's id before the worker runs it, and a prefillq job is taken (``queued ->
     prefilling``, `jobs.scripts.start`) only after it was tokenized, planned and its cache
     allocated: a worker killed in between would leave the job ``queued`` and in no queue,
-    forever. So the pop stays in ``keys.worker_taking`` until the job's one RQ execution
-    returns (`taken`; by then the job is held, in ``keys.worker_jobs``, or was put back or
-    skipped).
+    forever. So the pop stays in ``keys.worker_taking`` until the worker has started the job
+    (`taken_in_bulk`, or `taken` after an RQ execution; by then the job is held, in
+    ``keys.worker_jobs``, or was put back or skipped).
     """
 
     taking_key: ClassVar[str] = ""

@@ -85,8 +85,8 @@ def default_worker_name() -> str:
 class PrefillWorker(SimpleWorker):
     """Serves the models in `models` from their intake queues.
 
-    The model and every admitted job's KV cache live in this process across RQ executions,
-    so jobs run in the worker's own process (RQ's `SimpleWorker`,
+    The model and every admitted job's KV cache live in this process across steps, so jobs
+    run in the worker's own process (RQ's `SimpleWorker`,
     https://python-rq.org/docs/workers/). This class holds the RQ hooks: which queues are
     read and when (`worker.scheduler`), which RQ jobs may run (`jobs.queues.refusal`: only
     `jobs.queues.ADMIT_FUNCTION` with one job id, no callbacks or webhooks), start and
@@ -123,8 +123,7 @@ class PrefillWorker(SimpleWorker):
         intake = [intake_queue(connection, m) for m in models]
         super().__init__([self.own_queue, *intake], connection=connection, name=name,
                          serializer=MsgpackSerializer)
-        # its pops are recorded for the reaper, and junk ids among them dropped
-        self.queue_class = TakingQueue.for_worker(name, connection)
+        self.queue_class = TakingQueue.for_worker(name, connection)  # pops kept for the reaper
         # (named apart from RQ's own `scheduler`, its scheduler of RQ jobs for later); the
         # priorities in use are re-read as often as the worker beats (a few per TTL)
         self.prefill_scheduler = Scheduler.of(connection, list(models), self.own_queue,
@@ -151,8 +150,7 @@ class PrefillWorker(SimpleWorker):
                                   publish_tokenizers=settings.publish_tokenizers)
         self._stop_signal = "SIGTERM"
 
-    def _on_beat(self) -> None:
-        # on the maintenance thread: parked writes, and expired checkpoint files once a minute
+    def _on_beat(self) -> None:  # the maintenance thread's: parked writes, old checkpoints
         self.stepper.settle()
         if self.checkpointing is not None and time.monotonic() >= self._swept_at + 60:
             self._swept_at = time.monotonic()
@@ -278,11 +276,8 @@ class PrefillWorker(SimpleWorker):
                           done=admitted)
 
     def _maintain(self) -> None:
-        """RQ's worker heartbeat and maintenance, which its own loop runs between
-        executions, from between chunks (at a fraction of RQ's worker TTL)."""
-        if time.monotonic() >= self._rq_beat_at:
-            self._rq_beat_at = time.monotonic() + self.worker_ttl / 6
-            self.heartbeat()
+        """RQ's worker heartbeat and maintenance, run between chunks."""
+        self.heartbeat()
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
 
@@ -315,8 +310,13 @@ class PrefillWorker(SimpleWorker):
         self.handle_job_failure(job, queue, exc_string=f"{JobRefused.__name__}: {reason}")
 
     # RQ's own liveness and housekeeping writes: one Redis refuses is skipped this turn
-    def heartbeat(self, *args, **kwargs):
-        unless_refused("RQ's worker heartbeat", super().heartbeat, *args, **kwargs)
+    def heartbeat(self, timeout: int | None = None, pipeline=None):
+        """RQ's worker heartbeat (three round trips), at most every sixth of its TTL unless
+        RQ names a timeout or a pipeline (its dequeue beats twice for each job that wakes it)."""
+        if timeout is None and pipeline is None and time.monotonic() < self._rq_beat_at:
+            return
+        self._rq_beat_at = time.monotonic() + self.worker_ttl / 6
+        unless_refused("RQ's worker heartbeat", super().heartbeat, timeout, pipeline)
 
     def run_maintenance_tasks(self):
         unless_refused("RQ's maintenance", super().run_maintenance_tasks)

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import flash_attention_sm90 as sm90
+from . import source_tag
 
 SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
 # mma.sync, ldmatrix, cp.async and the online softmax, shared with sparse_attention.cu
@@ -78,8 +79,8 @@ def _kernel(head_dim: int, block_n: int, variant: str, warps: int):
     key = (head_dim, block_n, variant, warps)
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(
-            name=f"prefillq_flash_attention_d{head_dim}_n{block_n}_w{warps}"
-                 f"{'' if variant == ONE else '_' + variant}",
+            name=f"prefillq_flash_attention_{source_tag(HEADER, SOURCE)}_d{head_dim}"
+                 f"_n{block_n}_w{warps}{'' if variant == ONE else '_' + variant}",
             input_names=["q", "k", "v", "params", "scale", *(["blocks"] * (variant == PACKED))],
             output_names=["out", "lse"] if variant == SPLIT else ["out"],
             source=SOURCE, header=_DEFINES[variant] + HEADER, ensure_row_contiguous=False,

@@ -33,6 +33,10 @@ constexpr int N_TILES = BLOCK_N / 8;         // S fragments of 8 keys
 constexpr int D_TILES = D / 8;               // O fragments of 8 dims
 constexpr int Q_BYTES = BLOCK_M * D * 2, KV_BYTES = BLOCK_N * D * 2;
 constexpr float LOG2E = 1.4426950408889634f;
+static_assert(BLOCK_N == 64, "S's wgmma is m64n64k16: 8 fragments of 8 keys");
+static_assert(D % 64 == 0 && D <= 256, "O += P V covers up to four 64-dim regions");
+static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
+static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
 
 // The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
@@ -158,7 +162,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   // Q tile -> shared, swizzled (rows past L are zeros)
   const int row0 = m_block * BLOCK_M;
 #pragma unroll
-  for (int r = copy_row; r < BLOCK_M; r += ROWS_PER_PASS) {
+  for (int i = 0; i < BLOCK_M / ROWS_PER_PASS; ++i) {
+    const int r = copy_row + i * ROWS_PER_PASS;
     bool ok = row0 + r < L;
     cp_async16(q_smem + swizzled(r, copy_col, BLOCK_M),
                qp + (long)(ok ? row0 + r : 0) * q_row + copy_col * 8, ok ? 16 : 0);
@@ -192,7 +197,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
 
   auto load_kv = [&](int stage, int kb) {
 #pragma unroll
-    for (int r = copy_row; r < BLOCK_N; r += ROWS_PER_PASS) {
+    for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {
+      const int r = copy_row + i * ROWS_PER_PASS;
       int key = kb + r - k_start;             // row in k and v; past N: zeros
       bool ok = key < N;
       uint32_t off = stage * KV_BYTES + swizzled(r, copy_col, BLOCK_N);
@@ -279,6 +285,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     }
   }
 
+  // Q's copies are awaited here too when no key block fell to this block (an empty split)
+  asm volatile("cp.async.wait_group 0;\n" ::);
   // the row sums across the 4 threads of a row, then O / l -> out
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);

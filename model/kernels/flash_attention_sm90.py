@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import source_tag
 from .nvrtc import NvrtcError, compile_cubin
 
 SOURCE = Path(__file__).with_name("flash_attention_sm90.cu").read_text()
@@ -73,8 +74,10 @@ def shared_bytes(head_dim: int, block_n: int = BLOCK_N, warpgroups: int = WARPGR
 
 
 def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> str:
-    """The ``extern "C"`` name of one compiled variant (MLX caches modules by it)."""
-    return f"prefillq_fa_sm90_d{head_dim}_n{block_n}_wg{warpgroups}_s{stages}_{variant}"
+    """The ``extern "C"`` name of one compiled variant (MLX caches modules by it, so it
+    carries a hash of the source: `model.kernels.source_tag`)."""
+    return (f"prefillq_fa_sm90_{source_tag(HEADER, SOURCE)}_d{head_dim}_n{block_n}"
+            f"_wg{warpgroups}_s{stages}_{variant}")
 
 
 @cache

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import source_tag
 from .flash_attention import HEADER, PAD, _float32s, available
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
@@ -45,7 +46,7 @@ def _kernel(head_dim: int, block_n: int):
     key = (head_dim, block_n)
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(
-            name=f"prefillq_sparse_attention_d{head_dim}_n{block_n}",
+            name=f"prefillq_sparse_attention_{source_tag(HEADER, SOURCE)}_d{head_dim}_n{block_n}",
             input_names=["q", "kv", "idx", "sinks", "scale"], output_names=["out"],
             source=SOURCE, header=HEADER, ensure_row_contiguous=False,
             shared_memory=shared_bytes(head_dim, block_n))

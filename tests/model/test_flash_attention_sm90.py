@@ -62,3 +62,12 @@ def test_the_cpu_never_takes_the_hopper_path():
     assert fa.SM90_WARPS * fa.ROWS_PER_WARP == 64 * sm90.WARPGROUPS
     q = mx.zeros((1, 4, 8, 256), dtype=mx.bfloat16)
     assert not fa.applies(q, q[:, :1])
+
+
+def test_kernel_names_change_with_their_source():
+    # MLX caches compiled kernels on disk by name: an edited source must get a new one
+    from model.kernels import source_tag
+
+    name = sm90.kernel_name(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
+    assert source_tag(sm90.HEADER, sm90.SOURCE) in name
+    assert source_tag(sm90.HEADER, sm90.SOURCE + "\n") != source_tag(sm90.HEADER, sm90.SOURCE)

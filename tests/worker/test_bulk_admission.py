@@ -114,3 +114,19 @@ def test_the_job_that_wakes_an_idle_worker_costs_no_rq_execution(counted, tiny):
         assert_logits_match(result, tiny, t)
     assert client.redis.smembers(keys.worker_taking("w1")) == set()
     assert not client.redis.keys("rq:job:*")
+
+
+def test_rq_heartbeats_are_coalesced_unless_rq_names_a_timeout(counted):
+    """RQ's dequeue beats twice for each job that wakes an idle worker (three round trips
+    each); the worker writes one at most every sixth of RQ's worker TTL, except the beats RQ
+    gives a timeout or a pipeline of its own."""
+    worker, client = counted()
+    worker.register_birth()
+    worker.heartbeat()
+    first = client.redis.hget(worker.key, "last_heartbeat")
+    worker.heartbeat()
+    assert client.redis.hget(worker.key, "last_heartbeat") == first
+    assert client.redis.ttl(worker.key) > worker.worker_ttl
+    worker.heartbeat(30)  # RQ's own timeout is always written
+    assert client.redis.hget(worker.key, "last_heartbeat") != first
+    assert client.redis.ttl(worker.key) <= 30
