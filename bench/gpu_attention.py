@@ -20,8 +20,8 @@ from model.kernels.flash_attention import (
     SM90_WARPS,
     available,
     flash_attention,
-    grid_plan,
     packed_flash_attention,
+    plan,
 )
 
 from .common import Recorder, bench_parser, causal_attention_flops, git_commit, log, refuse_existing
@@ -77,16 +77,9 @@ def check(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("flash_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
             heads=H, kv_heads=KVH, queries=L, position=position, window=window,
-            **_path(warps, hopper),
-            splits=_splits(H, L, k.shape[2], window, warps, hopper))
+            **_path(warps, hopper), splits=plan(1, H, L, k.shape[2], window, warps=warps,
+                                                 hopper=hopper)[1])
     return ok
-
-
-def _splits(H: int, L: int, N: int, window: int | None, warps: int, hopper: bool) -> int:
-    """The key splits `flash_attention` launches for these shapes on either path."""
-    if hopper:
-        return grid_plan(1, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS)[1]
-    return grid_plan(1, H, L, N, window, warps=warps)[1]
 
 
 def _path(warps: int, hopper: bool) -> dict:

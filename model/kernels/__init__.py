@@ -2,6 +2,13 @@
 the reference (CPU, Metal, and every test) and the fallback."""
 
 import hashlib
+from pathlib import Path
+
+# mma.sync, ldmatrix, cp.async and the online softmax: every kernel's header
+HEADER = Path(__file__).with_name("mma.cuh").read_text()
+# the attention kernels' variants: one chunk (its keys split or not), several jobs' chunks
+# packed
+ONE, SPLIT, PACKED = "one", "split", "packed"
 
 
 def source_tag(*texts: str) -> str:

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import HEADER, ONE, PACKED, SPLIT, source_tag
 from . import flash_attention_sm90 as sm90
-from . import source_tag
 
 SOURCE = (Path(__file__).with_name("flash_attention.cu")).read_text()
-# mma.sync, ldmatrix, cp.async and the online softmax, shared with sparse_attention.cu
-HEADER = (Path(__file__).with_name("mma.cuh")).read_text()
 HEAD_DIMS = (256,)
 ROWS_PER_WARP = 16  # an mma tile's rows
 DEFAULT_WARPS = 4
@@ -44,8 +42,6 @@ MIN_KEY_BLOCKS_PER_SPLIT = 32
 SM90_BLOCK_N, SM90_WARPS = sm90.BLOCK_N, 4 * sm90.WARPGROUPS
 
 _kernels: dict[tuple[int, int, str, int], object] = {}
-# the kernel's variants: one chunk (its keys split or not), several jobs' chunks packed
-ONE, SPLIT, PACKED = "one", "split", "packed"
 _DEFINES = {ONE: "", SPLIT: "#define PREFILLQ_SPLIT 1\n", PACKED: "#define PREFILLQ_PACKED 1\n"}
 
 
@@ -123,6 +119,15 @@ def _hopper(wanted: bool | None) -> bool:
     return sm90.available() if wanted is None else wanted
 
 
+def plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
+         warps: int = DEFAULT_WARPS, hopper: bool = False) -> tuple[int, int]:
+    """`grid_plan` of the path `flash_attention` takes: the mma.sync kernel's at `block_n`
+    and `warps`, or with `hopper` the sm_90a kernel's (its block, its split target)."""
+    if hopper:
+        return grid_plan(B, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS)
+    return grid_plan(B, H, L, N, window, block_n, warps)
+
+
 def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                     position: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
                     warps: int = DEFAULT_WARPS, hopper: bool | None = None) -> mx.array:
@@ -155,19 +160,16 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                          f"groups; got {q.dtype} q {q.shape}, keys {keys.dtype} {keys.shape}")
     B, H, L, D = q.shape
     KVH, N = keys.shape[1], keys.shape[2]
-    target = TARGET_BLOCKS
-    if _hopper(hopper):
-        block_n, warps, target = SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS
-    q_blocks, splits = grid_plan(B, H, L, N, window, block_n, warps, target)
+    hopper = _hopper(hopper)
+    q_blocks, splits = plan(B, H, L, N, window, block_n, warps, hopper)
     params = _int32s(position, position - (N - L), window or 0, L, N, splits)
     inputs = [q, keys, values, params, _float32s(scale)]
-    if _hopper(hopper):
+    if hopper:
         if splits == 1:
-            return sm90.launch("one", q, keys, values, params, inputs[4], q_blocks, 1,
-                          [(B, H, L, D)], [q.dtype])[0]
-        parts, lse = sm90.launch("split", q, keys, values, params, inputs[4], q_blocks, splits,
-                            [(B, H, splits, L, D), (B, H, splits, L)],
-                            [mx.float32, mx.float32])
+            return sm90.launch(ONE, *inputs, q_blocks, 1, [(B, H, L, D)], [q.dtype])[0]
+        parts, lse = sm90.launch(SPLIT, *inputs, q_blocks, splits,
+                                 [(B, H, splits, L, D), (B, H, splits, L)],
+                                 [mx.float32, mx.float32])
         return _combine(parts, lse, q.dtype)
     template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD),
                 ("WARPS", warps)]
@@ -236,9 +238,9 @@ def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale:
     _, H, T, D = q.shape
     if _hopper(hopper):
         blocks = query_blocks(tuple(lengths), ROWS_PER_WARP * SM90_WARPS)
-        return sm90.launch("packed", q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1),
-                      _float32s(scale), blocks.shape[0], 1, [(1, H, T, D)], [q.dtype],
-                      blocks=blocks)[0]
+        return sm90.launch(PACKED, q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1),
+                           _float32s(scale), blocks.shape[0], 1, [(1, H, T, D)], [q.dtype],
+                           blocks=blocks)[0]
     rows = ROWS_PER_WARP * warps
     blocks = query_blocks(tuple(lengths), rows)
     threads = 32 * warps

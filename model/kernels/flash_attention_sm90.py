@@ -21,11 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import source_tag
+from . import HEADER, ONE, PACKED, SPLIT, source_tag
 from .nvrtc import NvrtcError, compile_cubin
 
 SOURCE = Path(__file__).with_name("flash_attention_sm90.cu").read_text()
-HEADER = Path(__file__).with_name("mma.cuh").read_text()
 # NVRTC has no C library headers: the fixed-width types the kernels use
 PRELUDE = ("typedef unsigned short uint16_t;\ntypedef unsigned int uint32_t;\n"
            "typedef unsigned long long uint64_t;\n")
@@ -37,7 +36,8 @@ STAGES = 2            # K/V buffers: the next tile loads while this one is used
 # One block fills a multiprocessor (its shared memory): key splits aim at one block per
 # multiprocessor of an H100/H200 (132), not flash_attention.TARGET_BLOCKS' two
 TARGET_BLOCKS = 132
-ONE, SPLIT, PACKED = "one", "split", "packed"
+# the source's hash, in every variant's name (computed once: names are built per launch)
+TAG = source_tag(HEADER, SOURCE)
 _DEFINES = {ONE: (), SPLIT: ("-DPREFILLQ_SPLIT=1",), PACKED: ("-DPREFILLQ_PACKED=1",)}
 
 
@@ -76,7 +76,7 @@ def shared_bytes(head_dim: int, block_n: int = BLOCK_N, warpgroups: int = WARPGR
 def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> str:
     """The ``extern "C"`` name of one compiled variant (MLX caches modules by it, so it
     carries a hash of the source: `model.kernels.source_tag`)."""
-    return (f"prefillq_fa_sm90_{source_tag(HEADER, SOURCE)}_d{head_dim}_n{block_n}"
+    return (f"prefillq_fa_sm90_{TAG}_d{head_dim}_n{block_n}"
             f"_wg{warpgroups}_s{stages}_{variant}")
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import source_tag
-from .flash_attention import HEADER, PAD, _float32s, available
+from . import HEADER, source_tag
+from .flash_attention import PAD, _float32s, available
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
 HEAD_DIMS = (512,)

@@ -71,3 +71,11 @@ def test_kernel_names_change_with_their_source():
     name = sm90.kernel_name(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
     assert source_tag(sm90.HEADER, sm90.SOURCE) in name
     assert source_tag(sm90.HEADER, sm90.SOURCE + "\n") != source_tag(sm90.HEADER, sm90.SOURCE)
+
+
+def test_the_sm_90a_plan_takes_its_own_block_and_split_target():
+    # 128 queries a block, and splits only up to one block per multiprocessor (132)
+    assert fa.plan(1, 4, 8192, 8192, None, hopper=True) == (64, 1)
+    assert fa.plan(1, 4, 8192, 8192, None) == (128, 1)    # mma.sync: 512 blocks already
+    assert fa.plan(1, 1, 8192, 8192, None, hopper=True) == (64, 3)
+    assert fa.plan(1, 4, 2048, 8192, None, hopper=True) == (16, 3)
