@@ -170,21 +170,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
-  // this block's queries' positions, and the keys any of them may see
-  const int first_q = position + row0;
-  const int last_q = position + min(row0 + BLOCK_M, L) - 1;
-  int lo = k_start;
-  if (window > 0) lo = max(lo, first_q - window + 1);
-  const int hi = min(k_start + N, last_q + 1);   // exclusive
-  int lo_block = k_start + ((lo - k_start) / BLOCK_N) * BLOCK_N;
-  int hi_block = hi;
-  if (splits > 1) {  // this split's share of the key blocks, whole blocks each
-    const int n_blocks = (hi - lo_block + BLOCK_N - 1) / BLOCK_N;
-    const int per = (n_blocks + splits - 1) / splits;
-    const int first = lo_block + split * per * BLOCK_N;
-    hi_block = min(hi, first + per * BLOCK_N);
-    lo_block = first;
-  }
+  // the keys this block's queries may see, this split's share of them
+  const KeyRange range = key_range(position, k_start, N, L, window, row0, BLOCK_M, BLOCK_N,
+                                   splits, split);
+  const int first_q = range.first_q, last_q = range.last_q;
+  const int lo_block = range.lo_block, hi_block = range.hi_block;
 
   // the two rows this thread holds in every accumulator fragment
   const int r_lo = wg * 64 + warp * 16 + g, r_hi = r_lo + 8;
@@ -287,40 +277,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
 
   // Q's copies are awaited here too when no key block fell to this block (an empty split)
   asm volatile("cp.async.wait_group 0;\n" ::);
-  // the row sums across the 4 threads of a row, then O / l -> out
-  l_lo = quad_sum(l_lo);
-  l_hi = quad_sum(l_hi);
-  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  // O / l -> out
   const int q_lo = row0 + r_lo, q_hi = row0 + r_hi;
 #ifdef PREFILLQ_SPLIT
   const size_t slab = (((size_t)b * H + h) * splits + split) * (size_t)L;
-  float* op = out + slab * D;
-  if (t == 0) {  // one thread of the four that share a row writes its log-sum-exp
-    constexpr float LN2 = 0.6931471805599453f;
-    if (q_lo < L) lse[slab + q_lo] = l_lo > 0.f ? m_lo * LN2 + logf(l_lo) : NEG_INF;
-    if (q_hi < L) lse[slab + q_hi] = l_hi > 0.f ? m_hi * LN2 + logf(l_hi) : NEG_INF;
-  }
-#pragma unroll
-  for (int j = 0; j < D_TILES; ++j) {
-    int c = j * 8 + t * 2;
-    if (q_lo < L)
-      *reinterpret_cast<float2*>(op + (size_t)q_lo * D + c) =
-          make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
-    if (q_hi < L)
-      *reinterpret_cast<float2*>(op + (size_t)q_hi * D + c) =
-          make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
-  }
+  store_rows<true>(o, m_lo, m_hi, l_lo, l_hi, q_lo, q_hi, L, t, out + slab * D, lse + slab);
 #else
-  uint16_t* op = out + (((size_t)b * H + h) * (size_t)q_rows + seq_row) * D;
-#pragma unroll
-  for (int j = 0; j < D_TILES; ++j) {
-    int c = j * 8 + t * 2;
-    if (q_lo < L)
-      *reinterpret_cast<uint32_t*>(op + (size_t)q_lo * D + c) =
-          pack_bf16(o[j][0] * inv_lo, o[j][1] * inv_lo);
-    if (q_hi < L)
-      *reinterpret_cast<uint32_t*>(op + (size_t)q_hi * D + c) =
-          pack_bf16(o[j][2] * inv_hi, o[j][3] * inv_hi);
-  }
+  store_rows<false>(o, m_lo, m_hi, l_lo, l_hi, q_lo, q_hi, L, t,
+                    out + (((size_t)b * H + h) * (size_t)q_rows + seq_row) * D, nullptr);
 #endif
 }

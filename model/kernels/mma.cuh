@@ -142,3 +142,77 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o
     }
   }
 }
+
+// The keys a block of queries may see: its rows [row0, row0 + block_m) of L at positions
+// from `position`, over keys at positions [k_start, k_start + N), causal and (window > 0)
+// within the sliding window. `first_q`/`last_q` are its first and last query positions;
+// [lo_block, hi_block) starts on a block_n boundary from k_start and, over several
+// splits, is this split's share of whole key blocks (possibly empty).
+struct KeyRange {
+  int first_q, last_q, lo_block, hi_block;
+};
+
+__device__ __forceinline__ KeyRange key_range(int position, int k_start, int N, int L,
+                                              int window, int row0, int block_m, int block_n,
+                                              int splits, int split) {
+  KeyRange r;
+  r.first_q = position + row0;
+  r.last_q = position + min(row0 + block_m, L) - 1;
+  int lo = k_start;
+  if (window > 0) lo = max(lo, r.first_q - window + 1);
+  const int hi = min(k_start + N, r.last_q + 1);   // exclusive
+  r.lo_block = k_start + ((lo - k_start) / block_n) * block_n;
+  r.hi_block = hi;
+  if (splits > 1) {  // this split's share of the key blocks, whole blocks each
+    const int n_blocks = (hi - r.lo_block + block_n - 1) / block_n;
+    const int per = (n_blocks + splits - 1) / splits;
+    const int first = r.lo_block + split * per * block_n;
+    r.hi_block = min(hi, first + per * block_n);
+    r.lo_block = first;
+  }
+  return r;
+}
+
+// The end of a block: O / l for the two rows this thread holds (q_lo, q_hi of L, in the
+// m16n8 accumulator layout, 4 threads a row, `t` this thread's column pair), after the row
+// sums across those threads. `out` points at row 0 of a (L, D_TILES * 8) slab: written as
+// bf16 pairs, or with PARTIAL as fp32 (one split's normalized output) and the rows'
+// log-sum-exp in natural-log units (-inf where a row saw no key) at lse[q].
+template <bool PARTIAL, int D_TILES>
+__device__ __forceinline__ void store_rows(const float (&o)[D_TILES][4], float m_lo, float m_hi,
+                                           float l_lo, float l_hi, int q_lo, int q_hi, int L,
+                                           int t, void* out, float* lse) {
+  constexpr int WIDTH = D_TILES * 8;   // a row's elements (the head dim)
+  const float NEG_INF = __int_as_float(0xff800000);
+  l_lo = quad_sum(l_lo);
+  l_hi = quad_sum(l_hi);
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  if (PARTIAL) {
+    float* op = static_cast<float*>(out);
+    if (t == 0) {  // one thread of the four that share a row writes its log-sum-exp
+      constexpr float LN2 = 0.6931471805599453f;
+      if (q_lo < L) lse[q_lo] = l_lo > 0.f ? m_lo * LN2 + logf(l_lo) : NEG_INF;
+      if (q_hi < L) lse[q_hi] = l_hi > 0.f ? m_hi * LN2 + logf(l_hi) : NEG_INF;
+    }
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+      const int c = j * 8 + t * 2;
+      if (q_lo < L)
+        *reinterpret_cast<float2*>(op + (size_t)q_lo * WIDTH + c) =
+            make_float2(o[j][0] * inv_lo, o[j][1] * inv_lo);
+      if (q_hi < L)
+        *reinterpret_cast<float2*>(op + (size_t)q_hi * WIDTH + c) =
+            make_float2(o[j][2] * inv_hi, o[j][3] * inv_hi);
+    }
+  } else {
+    uint32_t* op = static_cast<uint32_t*>(out);   // bf16 pairs: WIDTH / 2 a row
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+      const int c = (j * 8 + t * 2) / 2;
+      if (q_lo < L)
+        op[(size_t)q_lo * (WIDTH / 2) + c] = pack_bf16(o[j][0] * inv_lo, o[j][1] * inv_lo);
+      if (q_hi < L)
+        op[(size_t)q_hi * (WIDTH / 2) + c] = pack_bf16(o[j][2] * inv_hi, o[j][3] * inv_hi);
+    }
+  }
+}
