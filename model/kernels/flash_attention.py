@@ -147,8 +147,8 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         warps: warps per block, 16 queries each (the mma.sync path's).
         hopper: True for the wgmma path (`model.kernels.flash_attention_sm90`: compute
             capability 9.0, 128 queries and 64 keys a step), False for mma.sync, None for
-            the wgmma path where `flash_attention_sm90.available` (opt-in:
-            ``$PREFILLQ_HOPPER_ATTENTION=1``).
+            the wgmma path where `flash_attention_sm90.available` (every H100/H200 unless
+            ``$PREFILLQ_HOPPER_ATTENTION=0``).
     Returns:
         bf16 ``(B, H, L, D)``, equal to `model.archs._attention.blocked_attention` within bf16
         rounding (`bench.gpu_attention` checks it).

@@ -6,10 +6,9 @@ rows per warpgroup, S = Q K^T and O += P V as asynchronous warpgroup MMAs over s
 shared-memory tiles, P from registers. MLX's own JIT targets plain sm_90, where `wgmma` is
 refused, so the source goes through NVRTC (`model.kernels.nvrtc`) for sm_90a and runs through
 `mx.fast.precompiled_cuda_kernel`. `model.kernels.flash_attention` takes this path on a
-compute capability 9.0 GPU when ``$PREFILLQ_HOPPER_ATTENTION`` is ``1``: opt-in until the
-model's own path (compiled graphs, CUDA graphs, Gemma 3 4B's shapes) has been checked with it
-on a device (``python -m bench.gpu --check``); the kernel alone is checked by
-``python -m bench.gpu_attention`` (docs/benchmarks.md, "The Hopper path").
+compute capability 9.0 GPU unless ``$PREFILLQ_HOPPER_ATTENTION`` is ``0`` (then mma.sync, as
+on other GPUs). The kernel is checked by ``python -m bench.gpu_attention`` and the models'
+path with it by ``python -m bench.gpu --check`` (docs/benchmarks.md, "The Hopper path").
 """
 
 from __future__ import annotations
@@ -55,9 +54,9 @@ def compute_capability() -> tuple[int, int] | None:
 
 @cache
 def available() -> bool:
-    """True on a compute capability 9.0 GPU (H100, H200) with ``$PREFILLQ_HOPPER_ATTENTION``
-    set to ``1`` and a kernel NVRTC compiles; read once per process."""
-    if os.environ.get(ENV, "0") != "1" or compute_capability() != (9, 0):
+    """True on a compute capability 9.0 GPU (H100, H200) where a kernel NVRTC compiles,
+    unless ``$PREFILLQ_HOPPER_ATTENTION`` is ``0``; read once per process."""
+    if os.environ.get(ENV) == "0" or compute_capability() != (9, 0):
         return False
     try:
         _cubin(256, ONE, BLOCK_N, WARPGROUPS, STAGES)
