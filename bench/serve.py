@@ -5,7 +5,7 @@ Short scoring jobs through the queue, as a deployment sees them: one redis-serve
 ``prefillq worker`` process, `--jobs` prompts of 32-512 tokens (lm-eval-like lengths) with
 ``top_k=1``. Arms (each a set of extra worker flags) alternate in one run: every round gives
 each arm in turn a fresh worker on a flushed Redis. Per arm and round: jobs/s, tokens/s,
-latency, Redis commands per job, and a top-1 spot check against in-process prefills
+latency, Redis commands and CPU per job, and a top-1 spot check against in-process prefills
 (`run_arm`, `report`).
 """
 
@@ -122,6 +122,7 @@ class ArmRun:
         first_submit: epoch seconds before the first measured submit.
         commands: calls per command from just before the first submit to the last job's
             terminal message (``INFO commandstats``, INFO itself left out).
+        redis_cpu_s: Redis CPU seconds over the same span (`redis_cpu_s`).
         mismatches: checked jobs whose top-1 id differed from the in-process prefill's.
         machine: `machine_context` as the round ended (its load average).
     """
@@ -132,18 +133,26 @@ class ArmRun:
     statuses: dict[str, JobStatus | None]
     first_submit: float
     commands: dict[str, int]
+    redis_cpu_s: float
     checked: int
     mismatches: int
     exit_code: int | None
     machine: dict
 
 
+def redis_cpu_s(conn: redis.Redis) -> float:
+    """CPU seconds the server has used since it started, system plus user (``INFO cpu``)."""
+    cpu = conn.info("cpu")
+    return cpu["used_cpu_sys"] + cpu["used_cpu_user"]
+
+
 def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
              timeout_s: float, alive: Callable[[], bool] | None = None
-             ) -> tuple[list[str], float, dict[str, int]]:
+             ) -> tuple[list[str], float, dict[str, int], float]:
     """Submit `prompts` and wait for each job's terminal message (one pattern subscription,
     no polling, so the only commands counted are the clients' and the worker's); the job
-    ids, the first submit's epoch seconds, and the commands in between.
+    ids, the first submit's epoch seconds, the commands in between and the Redis CPU
+    seconds they took (`redis_cpu_s`: commands, network and pub/sub delivery).
 
     Raises:
         TimeoutError: not every job ended within `timeout_s`. RuntimeError: `alive` (the
@@ -151,7 +160,8 @@ def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
     """
     counter, ended = EventCounter(conn), set()
     try:
-        before, first_submit = command_calls(conn), time.time()
+        cpu_before, before = redis_cpu_s(conn), command_calls(conn)
+        first_submit = time.time()
         job_ids = submit_all(url, model, prompts)
 
         def all_ended() -> bool:
@@ -163,9 +173,10 @@ def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
 
         wait_until(all_ended, timeout_s, f"{len(job_ids)} jobs did not all end", poll_s=0.02)
         commands = calls_since(conn, before)
+        cpu_s = redis_cpu_s(conn) - cpu_before
     finally:
         counter.stop()
-    return job_ids, first_submit, commands
+    return job_ids, first_submit, commands, cpu_s
 
 
 def spot_check(client: PrefillClient, job_ids: list[str], statuses: dict,
@@ -220,13 +231,13 @@ def run_arm(server: RedisServer, arm: Arm, round_: int, work: Workload, log_dir:
     try:
         fleet.wait_registered(conn)
         run_jobs(conn, server.url, work.model, work.warmup, timeout_s, fleet.alive)
-        job_ids, first_submit, commands = run_jobs(conn, server.url, work.model, work.prompts,
-                                                   timeout_s, fleet.alive)
+        job_ids, first_submit, commands, cpu_s = run_jobs(
+            conn, server.url, work.model, work.prompts, timeout_s, fleet.alive)
         statuses = statuses_of(conn, job_ids)
         wrong = spot_check(PrefillClient(conn), job_ids, statuses, work.expected)
     finally:
         (code,) = fleet.stop()
-    run = ArmRun(arm, round_, work.prompts, statuses, first_submit, commands,
+    run = ArmRun(arm, round_, work.prompts, statuses, first_submit, commands, cpu_s,
                  len(work.expected), wrong, code, machine_context("serve"))
     log(f"serve: round {round_} {arm.name}: {len(job_ids)} jobs, {wrong} top-1 mismatches")
     return run
@@ -252,13 +263,16 @@ def arm_record(run: ArmRun) -> tuple[float, dict]:
         "redis_commands_per_job": round(sum(run.commands.values()) / n, 2),
         "redis_commands_per_job_by_command": {k: round(v / n, 3)
                                               for k, v in sorted(run.commands.items())},
+        "redis_cpu_us_per_job": round(run.redis_cpu_s * 1e6 / n, 1),
+        # one Redis core's jobs a second at this cost: Redis runs commands on one thread
+        "jobs_per_redis_core_s": round(n / run.redis_cpu_s) if run.redis_cpu_s else None,
         "top1_checked": run.checked, "top1_mismatches": run.mismatches,
         "worker_exit_code": run.exit_code, "machine": run.machine}
     return len(done) / wall_s, details
 
 
 SUMMARIZED = ("tokens_per_s", "latency_p50_s", "latency_p99_s", "run_p50_s", "run_p99_s",
-              "redis_commands_per_job")
+              "redis_commands_per_job", "redis_cpu_us_per_job")
 
 
 def report(rec: Recorder, runs: list[ArmRun], arms: list[Arm], model: str,
