@@ -29,7 +29,7 @@ import numpy as np
 import redis
 
 from jobs import JobState, JobStatus, PrefillClient
-from worker.redis_server import RedisServer, calls_since, command_calls
+from worker.redis_server import RedisServer, calls_since, command_calls, cpu_seconds
 
 from .common import Recorder, bench_parser, load_or_exit, log, machine_context, refuse_existing
 from .load import TOKEN_IDS, statuses_of, wait_until
@@ -122,7 +122,7 @@ class ArmRun:
         first_submit: epoch seconds before the first measured submit.
         commands: calls per command from just before the first submit to the last job's
             terminal message (``INFO commandstats``, INFO itself left out).
-        redis_cpu_s: Redis CPU seconds over the same span (`redis_cpu_s`).
+        redis_cpu_s: Redis CPU seconds over the same span (`cpu_seconds`).
         mismatches: checked jobs whose top-1 id differed from the in-process prefill's.
         machine: `machine_context` as the round ended (its load average).
     """
@@ -140,19 +140,13 @@ class ArmRun:
     machine: dict
 
 
-def redis_cpu_s(conn: redis.Redis) -> float:
-    """CPU seconds the server has used since it started, system plus user (``INFO cpu``)."""
-    cpu = conn.info("cpu")
-    return cpu["used_cpu_sys"] + cpu["used_cpu_user"]
-
-
 def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
              timeout_s: float, alive: Callable[[], bool] | None = None
              ) -> tuple[list[str], float, dict[str, int], float]:
     """Submit `prompts` and wait for each job's terminal message (one pattern subscription,
     no polling, so the only commands counted are the clients' and the worker's); the job
     ids, the first submit's epoch seconds, the commands in between and the Redis CPU
-    seconds they took (`redis_cpu_s`: commands, network and pub/sub delivery).
+    seconds they took (`cpu_seconds`: commands, network and pub/sub delivery).
 
     Raises:
         TimeoutError: not every job ended within `timeout_s`. RuntimeError: `alive` (the
@@ -160,7 +154,7 @@ def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
     """
     counter, ended = EventCounter(conn), set()
     try:
-        cpu_before, before = redis_cpu_s(conn), command_calls(conn)
+        cpu_before, before = cpu_seconds(conn), command_calls(conn)
         first_submit = time.time()
         job_ids = submit_all(url, model, prompts)
 
@@ -173,7 +167,7 @@ def run_jobs(conn: redis.Redis, url: str, model: str, prompts: list[list[int]],
 
         wait_until(all_ended, timeout_s, f"{len(job_ids)} jobs did not all end", poll_s=0.02)
         commands = calls_since(conn, before)
-        cpu_s = redis_cpu_s(conn) - cpu_before
+        cpu_s = cpu_seconds(conn) - cpu_before
     finally:
         counter.stop()
     return job_ids, first_submit, commands, cpu_s

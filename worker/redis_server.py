@@ -39,6 +39,12 @@ def calls_since(conn: redis.Redis, before: dict[str, int]) -> dict[str, int]:
     return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
 
 
+def cpu_seconds(conn: redis.Redis) -> float:
+    """CPU seconds the server has used since it started, system plus user (``INFO cpu``)."""
+    cpu = conn.info("cpu")
+    return cpu["used_cpu_sys"] + cpu["used_cpu_user"]
+
+
 class RedisServerError(RuntimeError):
     """redis-server is missing or did not start."""
 
