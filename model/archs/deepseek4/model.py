@@ -177,19 +177,14 @@ class Attention(nn.Module):
             self.indexer = Indexer(args)
         self._inv_freq = rope_inv_freq(args, self.ratio)
 
-    def _attend(
-        self, q, x, qr, keys, layer: LayerCache, position: int, b: int, n_prev: int, n_rows: int
-    ) -> mx.array:
+    def _attend(self, q, keys, position: int, b: int, n_prev: int,
+                visible: mx.array | None) -> mx.array:
         """Attention of the chunk's queries ``b, b+1, ...`` ``(1, heads, n, hd)`` over the
-        window keys (the ``n_prev`` before the chunk, then the chunk's) and compressed rows."""
-        n, L = q.shape[2], keys.shape[2] - n_rows - n_prev
+        window keys (the ``n_prev`` before the chunk, then the chunk's) and the compressed
+        rows `visible` ``(n, n_rows)`` marks (None on layers without them)."""
+        n, L = q.shape[2], keys.shape[2] - (0 if visible is None else visible.shape[1]) - n_prev
         mask = [window_mask(position + b, n, position - n_prev, n_prev + L, self.window)]
-        if self.ratio:
-            # row j pools tokens < (j+1)*r: visible to query p iff j < (p+1)//r
-            q_pos = mx.arange(position + b, position + b + n)[:, None]
-            visible = mx.arange(n_rows)[None, :] < (q_pos + 1) // self.ratio
-            if self.ratio == OVERLAP_RATIO:
-                visible = self.indexer.select(x, qr, layer, position + b, visible, self._inv_freq)
+        if visible is not None:
             mask.append(visible)
         return mx.fast.scaled_dot_product_attention(
             q,
@@ -199,6 +194,22 @@ class Attention(nn.Module):
             mask=mx.concatenate(mask, axis=1),
             sinks=self.attn_sinks.weight.astype(q.dtype),
         )
+
+    def _visible_rows(self, x, qr, layer: LayerCache, position: int, n_rows: int):
+        """Boolean ``(L, n_rows)``: the compressed rows each of the chunk's queries attends
+        (row j pools tokens < (j+1)*r: visible to query p iff j < (p+1)//r; on ratio-4
+        layers only the indexer's top-k of those), or None on layers without them. The
+        top-k is scored for the whole chunk at once, as the gathered path scores it: bf16
+        index scores tie often, and scoring per query block (other matmul shapes) could
+        break ties otherwise."""
+        if not self.ratio:
+            return None
+        L = x.shape[1]
+        q_pos = mx.arange(position, position + L)[:, None]
+        visible = mx.arange(n_rows)[None, :] < (q_pos + 1) // self.ratio
+        if self.ratio == OVERLAP_RATIO:
+            visible = self.indexer.select(x, qr, layer, position, visible, self._inv_freq)
+        return visible
 
     def _gathers(self, q: mx.array, keys: mx.array, n_rows: int) -> bool:
         """Per-query key lists (`sparse`), not keys under a mask: on a CUDA GPU in bf16
@@ -260,10 +271,11 @@ class Attention(nn.Module):
         else:
             # query blocks bound the (heads, block, keys) scores of long contexts
             block = max(1, min(L, SCORE_BUDGET // (nh * keys.shape[2])))
+            visible = self._visible_rows(x, qr, layer, position, n_rows)
             out = mx.concatenate(
                 [
-                    self._attend(q[:, :, b : b + block], x[:, b : b + block],
-                                 qr[:, b : b + block], keys, layer, position, b, n_prev, n_rows)
+                    self._attend(q[:, :, b : b + block], keys, position, b, n_prev,
+                                 None if visible is None else visible[b : b + block])
                     for b in range(0, L, block)
                 ],
                 axis=2,
