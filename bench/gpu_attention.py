@@ -136,8 +136,9 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool
         seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
 
 
-# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages)
-SM90_VARIANTS = ((2, 2), (2, 1), (1, 2), (1, 1))
+# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, overlap: a
+# step's softmax under the previous step's P V, which needs 2 stages)
+SM90_VARIANTS = ((2, 2, True), (2, 2, False), (2, 1, False), (1, 2, True), (1, 2, False))
 
 
 def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
@@ -155,17 +156,19 @@ def _sweep_at(rec: Recorder, L: int, variants) -> None:
     params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
     scale = mx.array([D ** -0.5], dtype=mx.float32)
 
-    def run(wg: int, stages: int) -> mx.array:
+    def run(wg: int, stages: int, overlap: bool) -> mx.array:
         return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
-                           [q.shape], [q.dtype], warpgroups=wg, stages=stages)[0]
+                           [q.shape], [q.dtype], warpgroups=wg, stages=stages,
+                           overlap=overlap)[0]
 
-    base = run(sm90.WARPGROUPS, sm90.STAGES).astype(mx.float32)
-    for wg, stages in variants:
-        s = _seconds(lambda w=wg, st=stages: run(w, st), MICRO["repeats"])
-        diff = float(mx.abs(run(wg, stages).astype(mx.float32) - base).max()
+    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.OVERLAP).astype(mx.float32)
+    for wg, stages, overlap in variants:
+        s = _seconds(lambda w=wg, st=stages, o=overlap: run(w, st, o), MICRO["repeats"])
+        diff = float(mx.abs(run(wg, stages, overlap).astype(mx.float32) - base).max()
                      / mx.abs(base).max())
         rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
-            stages=stages, queries=L, seconds=round(s, 5), diff_from_default=diff)
+            stages=stages, overlap=overlap, queries=L, seconds=round(s, 5),
+            diff_from_default=diff)
 
 
 # Packed steps of several jobs' first chunks (`packed_flash_attention`): (H, KVH, lengths,

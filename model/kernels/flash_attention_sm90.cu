@@ -13,7 +13,9 @@
 // out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
 // float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
 // Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64),
-// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
+// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers), OVERLAP (1: a step's softmax
+// runs while the previous step's P V is in flight, FlashAttention-3's Algorithm 2; 0: one
+// product at a time).
 //
 // Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
 // "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
@@ -24,6 +26,9 @@
 
 #ifndef STAGES
 #define STAGES 2
+#endif
+#ifndef OVERLAP
+#define OVERLAP 0
 #endif
 
 constexpr int BLOCK_M = 64 * WARPGROUPS;
@@ -37,6 +42,7 @@ static_assert(BLOCK_N == 64, "S's wgmma is m64n64k16: 8 fragments of 8 keys");
 static_assert(D % 64 == 0 && D <= 256, "O += P V covers up to four 64-dim regions");
 static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
+static_assert(!OVERLAP || STAGES == 2, "the pipelined loop keeps K and V two stages deep");
 
 // The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
@@ -68,6 +74,16 @@ __device__ __forceinline__ void fence_registers(float (&x)[TILES][4]) {
   for (int j = 0; j < TILES; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[j][e]) :: "memory");
+}
+
+// The same for the bf16 pairs of an A operand in registers (P), which an asynchronous
+// wgmma reads until it is awaited: they stay live, unmoved, up to this point.
+template <int TILES>
+__device__ __forceinline__ void fence_registers(uint32_t (&x)[TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[j][e]) :: "memory");
 }
 
 #define PREFILLQ_ACC32(a, base)                                                          \
@@ -185,48 +201,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   for (int j = 0; j < D_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
 
-  auto load_kv = [&](int stage, int kb) {
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {
-      const int r = copy_row + i * ROWS_PER_PASS;
-      int key = kb + r - k_start;             // row in k and v; past N: zeros
-      bool ok = key < N;
-      uint32_t off = stage * KV_BYTES + swizzled(r, copy_col, BLOCK_N);
-      long src = (long)(ok ? key : 0) * k_row + copy_col * 8;
-      cp_async16(k_smem + off, kp + src, ok ? 16 : 0);
-      cp_async16(v_smem + off, vp + src, ok ? 16 : 0);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
+  auto k_tile = [&](int stage) { return k_smem + stage * KV_BYTES; };
+  auto v_tile = [&](int stage) { return v_smem + stage * KV_BYTES; };
+  const uint32_t q_wg = q_smem + wg * 64 * 128;   // this warpgroup's 64 query rows
 
-  const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
-  if (n_steps > 0) load_kv(0, lo_block);
-  for (int step = 0; step < n_steps; ++step) {
-    const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
-    asm volatile("cp.async.wait_group 0;\n" ::);   // this step's tiles (and Q) are in
-    // cp.async wrote through the generic proxy; wgmma reads through the async proxy
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    // every thread's copies are in, and every warpgroup is done with the previous step, so
-    // its stage may be refilled: the next tiles load while this step computes
-    __syncthreads();
-    if (STAGES > 1 && step + 1 < n_steps) load_kv((step + 1) % STAGES, kb + BLOCK_N);
-
-    // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps
-    float s[N_TILES][4];
-    const uint32_t q_wg = q_smem + wg * 64 * 128, k_tile = k_smem + stage * KV_BYTES;
-    wgmma_fence();
+  // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps (issued, not awaited)
+  auto issue_qk = [&](float (&s)[N_TILES][4], uint32_t k) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
       wgmma_ss(s, smem_desc(q_wg + (kk / 4) * BLOCK_M * 128 + col, 16, 1024),
-               smem_desc(k_tile + (kk / 4) * BLOCK_N * 128 + col, 16, 1024), kk > 0);
+               smem_desc(k + (kk / 4) * BLOCK_N * 128 + col, 16, 1024), kk > 0);
     }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(s);
-
-    // mask (causal, window, past N) where a key block may cross an edge, scale to log2
-    // units, then the online softmax
+  };
+  // O += P V: P's k-step of 16 keys is S fragments 2i and 2i + 1 (packed in pa[i]); V's
+  // region r holds dims 64r.. of every key row (issued, not awaited)
+  auto issue_pv = [&](const uint32_t (&pa)[N_TILES / 2][4], uint32_t v) {
+#pragma unroll
+    for (int i = 0; i < N_TILES / 2; ++i) {
+      const uint32_t rows = v + i * 16 * 128;
+#define PREFILLQ_PV(R) \
+      if (REGIONS > R)   \
+        wgmma_rs<8 * R>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], \
+                        smem_desc(rows + R * BLOCK_N * 128, BLOCK_N * 128, 1024));
+      PREFILLQ_PV(0) PREFILLQ_PV(1) PREFILLQ_PV(2) PREFILLQ_PV(3)
+#undef PREFILLQ_PV
+    }
+  };
+  // mask (causal, window, past N) where key block kb may cross an edge; scale to log2 units
+  auto mask_scale = [&](float (&s)[N_TILES][4], int kb) {
     const bool edge = kb + BLOCK_N - 1 > first_q || kb + BLOCK_N > k_start + N ||
                       (window > 0 && kb <= last_q - window);
 #pragma unroll
@@ -239,13 +242,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
         s[j][e] = ok ? s[j][e] * scale_log2 : NEG_INF;
       }
     }
-    online_softmax<N_TILES, D_TILES, true>(s, o, m_lo, m_hi, l_lo, l_hi);
-
-    // O += P V: P's k-step of 16 keys is S fragments 2i and 2i + 1; V's region r holds
-    // dims 64r.. of every key row
-    // (P is packed to bf16 before the fence: registers written between a warpgroup's
-    // wgmmas make the compiler insert waits)
-    uint32_t pa[N_TILES / 2][4];
+  };
+  // P (in S's registers) as the A operand's bf16 pairs
+  auto pack = [&](const float (&s)[N_TILES][4], uint32_t (&pa)[N_TILES / 2][4]) {
 #pragma unroll
     for (int i = 0; i < N_TILES / 2; ++i) {
       pa[i][0] = pack_bf16(s[2 * i][0], s[2 * i][1]);
@@ -253,19 +252,125 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
       pa[i][2] = pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]);
       pa[i][3] = pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3]);
     }
-    const uint32_t v_tile = v_smem + stage * KV_BYTES;
+  };
+  // every thread's copies are in, through the async proxy wgmma reads by, and every
+  // warpgroup is past the previous step
+  auto tiles_ready = [&]() {
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+  };
+
+  const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
+#if OVERLAP
+  // FlashAttention-3's intra-warpgroup pipeline (Shah et al., 2024, Algorithm 2): step j
+  // issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs S_j's softmax while the
+  // second product is in flight; O takes its rescale once that lands. K and V load in their
+  // own stages one step apart (step j loads K_{j+1} and V_j), so a stage is refilled only
+  // after the product that read it was awaited. Step 0 is peeled off.
+  // BLOCK_N rows of k or v from key block kb into a stage's tile, swizzled (past N: zeros)
+  auto load_tile = [&](uint32_t tile, const uint16_t* base, int kb) {
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {
+      const int r = copy_row + i * ROWS_PER_PASS;
+      const int key = kb + r - k_start;
+      const bool ok = key < N;
+      cp_async16(tile + swizzled(r, copy_col, BLOCK_N),
+                 base + (long)(ok ? key : 0) * k_row + copy_col * 8, ok ? 16 : 0);
+    }
+  };
+  uint32_t pa[N_TILES / 2][4];
+  if (n_steps > 0) {
+    load_tile(k_tile(0), kp, lo_block);
+    asm volatile("cp.async.commit_group;\n" ::);
+    tiles_ready();
+    if (n_steps > 1) load_tile(k_tile(1), kp, lo_block + BLOCK_N);
+    load_tile(v_tile(0), vp, lo_block);
+    asm volatile("cp.async.commit_group;\n" ::);
+    float s[N_TILES][4];
+    wgmma_fence();
+    issue_qk(s, k_tile(0));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(s);
+    mask_scale(s, lo_block);
+    float alpha_lo, alpha_hi;   // O is zero: nothing to rescale
+    softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
+    pack(s, pa);
+  }
+  for (int step = 1; step < n_steps; ++step) {
+    const int kb = lo_block + step * BLOCK_N, stage = step % 2;
+    tiles_ready();   // K_step and V_(step-1)
+    if (step + 1 < n_steps) load_tile(k_tile(1 - stage), kp, kb + BLOCK_N);
+    load_tile(v_tile(stage), vp, kb);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    float s[N_TILES][4];
+    fence_registers(o);
+    wgmma_fence();
+    issue_qk(s, k_tile(stage));
+    wgmma_commit();
+    issue_pv(pa, v_tile(1 - stage));
+    wgmma_commit();
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+    fence_registers(s);
+    mask_scale(s, kb);
+    const float old_lo = m_lo, old_hi = m_hi;
+    float alpha_lo, alpha_hi;
+    softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
+    wgmma_wait_all();   // P_(step-1) V_(step-1) is in O, and pa is free
+    fence_registers(o);
+    fence_registers(pa);
+    if (__any_sync(0xffffffff, m_lo != old_lo || m_hi != old_hi))
+      rescale_rows(o, alpha_lo, alpha_hi);
+    pack(s, pa);
+  }
+  if (n_steps > 0) {   // the last P V
+    tiles_ready();
+    fence_registers(o);
+    wgmma_fence();
+    issue_pv(pa, v_tile((n_steps - 1) % 2));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(o);
+  }
+#else
+  // one product at a time: S, its softmax, then P V
+  auto load_kv = [&](int stage, int kb) {   // K and V of a key block, one address each row
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {
+      const int r = copy_row + i * ROWS_PER_PASS;
+      const int key = kb + r - k_start;
+      const bool ok = key < N;
+      const uint32_t off = stage * KV_BYTES + swizzled(r, copy_col, BLOCK_N);
+      const long src = (long)(ok ? key : 0) * k_row + copy_col * 8;
+      cp_async16(k_smem + off, kp + src, ok ? 16 : 0);
+      cp_async16(v_smem + off, vp + src, ok ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if (n_steps > 0) load_kv(0, lo_block);
+  for (int step = 0; step < n_steps; ++step) {
+    const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
+    tiles_ready();   // this step's tiles (and Q); the next load while this step computes
+    if (STAGES > 1 && step + 1 < n_steps) load_kv((step + 1) % STAGES, kb + BLOCK_N);
+
+    float s[N_TILES][4];
+    wgmma_fence();
+    issue_qk(s, k_tile(stage));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(s);
+    mask_scale(s, kb);
+    online_softmax<N_TILES, D_TILES, true>(s, o, m_lo, m_hi, l_lo, l_hi);
+
+    // (P is packed to bf16 before the fence: registers written between a warpgroup's
+    // wgmmas make the compiler insert waits)
+    uint32_t pa[N_TILES / 2][4];
+    pack(s, pa);
     fence_registers(o);   // O's rescale by the softmax happens here, before the fence
     wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < N_TILES / 2; ++i) {
-      const uint32_t rows = v_tile + i * 16 * 128;
-#define PREFILLQ_PV(R) \
-      if (REGIONS > R)   \
-        wgmma_rs<8 * R>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], \
-                        smem_desc(rows + R * BLOCK_N * 128, BLOCK_N * 128, 1024));
-      PREFILLQ_PV(0) PREFILLQ_PV(1) PREFILLQ_PV(2) PREFILLQ_PV(3)
-#undef PREFILLQ_PV
-    }
+    issue_pv(pa, v_tile(stage));
     wgmma_commit();
     wgmma_wait_all();
     fence_registers(o);
@@ -274,6 +379,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
       load_kv(0, kb + BLOCK_N);
     }
   }
+#endif
 
   // Q's copies are awaited here too when no key block fell to this block (an empty split)
   asm volatile("cp.async.wait_group 0;\n" ::);

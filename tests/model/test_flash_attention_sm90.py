@@ -23,13 +23,20 @@ def _nvrtc_or_skip():
         pytest.skip(str(e))
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
-def test_every_variant_compiles_for_sm_90a(variant):
+def test_every_variant_compiles_for_sm_90a(variant, overlap):
     _nvrtc_or_skip()
-    cubin = sm90._cubin(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
+    build = (256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES, overlap)
+    cubin = sm90._cubin(*build)
     assert cubin[:4] == b"\x7fELF"
-    name = sm90.kernel_name(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
-    assert name.encode() in cubin   # extern "C": the name MLX looks the kernel up by
+    assert sm90.kernel_name(*build).encode() in cubin   # extern "C": MLX looks it up by name
+
+
+def test_the_pipelined_loop_needs_two_stages():
+    _nvrtc_or_skip()
+    with pytest.raises(NvrtcError, match="two stages deep"):
+        sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, 1, True)
 
 
 def test_the_source_needs_the_architecture_specific_target():
