@@ -187,25 +187,18 @@ class Attention(nn.Module):
         if visible is not None:
             mask.append(visible)
         return mx.fast.scaled_dot_product_attention(
-            q,
-            keys,
-            keys,
-            scale=self.head_dim**-0.5,
-            mask=mx.concatenate(mask, axis=1),
-            sinks=self.attn_sinks.weight.astype(q.dtype),
-        )
+            q, keys, keys, scale=self.head_dim**-0.5, mask=mx.concatenate(mask, axis=1),
+            sinks=self.attn_sinks.weight.astype(q.dtype))
 
     def _visible_rows(self, x, qr, layer: LayerCache, position: int, n_rows: int):
         """Boolean ``(L, n_rows)``: the compressed rows each of the chunk's queries attends
         (row j pools tokens < (j+1)*r: visible to query p iff j < (p+1)//r; on ratio-4
-        layers only the indexer's top-k of those), or None on layers without them. The
-        top-k is scored for the whole chunk at once, as the gathered path scores it: bf16
-        index scores tie often, and scoring per query block (other matmul shapes) could
-        break ties otherwise."""
+        layers only the indexer's top-k of those), or None without them. The top-k is scored
+        for the whole chunk, as the gathered path does: bf16 index scores tie often, and
+        other matmul shapes (per query block) could break the ties otherwise."""
         if not self.ratio:
             return None
-        L = x.shape[1]
-        q_pos = mx.arange(position, position + L)[:, None]
+        q_pos = mx.arange(position, position + x.shape[1])[:, None]
         visible = mx.arange(n_rows)[None, :] < (q_pos + 1) // self.ratio
         if self.ratio == OVERLAP_RATIO:
             visible = self.indexer.select(x, qr, layer, position, visible, self._inv_freq)
