@@ -24,7 +24,15 @@ from model.kernels.flash_attention import (
     plan,
 )
 
-from .common import Recorder, bench_parser, causal_attention_flops, git_commit, log, refuse_existing
+from .common import (
+    Recorder,
+    bench_parser,
+    causal_attention_flops,
+    git_commit,
+    log,
+    patched,
+    refuse_existing,
+)
 from .gpu_peers import attention_plan, attention_ratios, run_all
 
 # bf16 keeps 8 significant bits (relative step 2^-8 ~ 3.9e-3); P is rounded to bf16 before
@@ -84,7 +92,9 @@ def check(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
 
 def _path(warps: int, hopper: bool) -> dict:
     """A record's fields naming the kernel path it measured."""
-    return {"path": "sm90 wgmma"} if hopper else {"path": "mma.sync", "warps": warps}
+    if hopper:
+        return {"path": "sm90 wgmma", "overlap": sm90.OVERLAP}
+    return {"path": "mma.sync", "warps": warps}
 
 
 def _seconds(fn, repeats: int = 5) -> float:
@@ -220,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     peers = [] if args.check else run_all(rec, attention_plan(MICRO))
     ok = check(rec) and check(rec, warps=8) and check_packed(rec) and check_packed(rec, 8)
     hopper = sm90.compute_capability() == (9, 0)
-    if hopper:  # the sm_90a path beside the mma.sync one
+    if hopper:  # the sm_90a path beside the mma.sync one, both schedules of it
         ok &= check(rec, hopper=True) and check_packed(rec, hopper=True)
+        with patched(sm90, "OVERLAP", not sm90.OVERLAP):
+            ok &= check(rec, hopper=True) and check_packed(rec, hopper=True)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
         micro(rec, peers, hopper=hopper)

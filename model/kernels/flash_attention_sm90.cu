@@ -283,10 +283,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   if (n_steps > 0) {
     load_tile(k_tile(0), kp, lo_block);
     asm volatile("cp.async.commit_group;\n" ::);
-    tiles_ready();
     if (n_steps > 1) load_tile(k_tile(1), kp, lo_block + BLOCK_N);
     load_tile(v_tile(0), vp, lo_block);
     asm volatile("cp.async.commit_group;\n" ::);
+    // Q and K_0 are in (every group but the newest), for every thread
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
     float s[N_TILES][4];
     wgmma_fence();
     issue_qk(s, k_tile(0));
@@ -297,6 +300,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     float alpha_lo, alpha_hi;   // O is zero: nothing to rescale
     softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
     pack(s, pa);
+    fence_registers(pa);
   }
   for (int step = 1; step < n_steps; ++step) {
     const int kb = lo_block + step * BLOCK_N, stage = step % 2;
@@ -318,12 +322,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     const float old_lo = m_lo, old_hi = m_hi;
     float alpha_lo, alpha_hi;
     softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-    wgmma_wait_all();   // P_(step-1) V_(step-1) is in O, and pa is free
-    fence_registers(o);
-    fence_registers(pa);
-    if (__any_sync(0xffffffff, m_lo != old_lo || m_hi != old_hi))
+    // P_(step-1) V_(step-1) is in O, and pa is free, after the wait. It sits in both arms
+    // of the vote's branch: in one block with the softmax, ptxas hoists it above every
+    // exp2, and the softmax would no longer run under the product
+    if (__any_sync(0xffffffff, m_lo != old_lo || m_hi != old_hi)) {
+      wgmma_wait_all();
+      fence_registers(o);
+      fence_registers(pa);
       rescale_rows(o, alpha_lo, alpha_hi);
+    } else {
+      wgmma_wait_all();
+      fence_registers(o);
+      fence_registers(pa);
+    }
     pack(s, pa);
+    fence_registers(pa);   // P's conversions stay before the next step's wgmma_fence
   }
   if (n_steps > 0) {   // the last P V
     tiles_ready();

@@ -99,7 +99,7 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
            output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
            blocks: mx.array | None = None, block_n: int = BLOCK_N,
            warpgroups: int = WARPGROUPS, stages: int = STAGES,
-           overlap: bool = OVERLAP) -> list[mx.array]:
+           overlap: bool | None = None) -> list[mx.array]:
     """Launch one variant over `grid_x_blocks` query blocks x H heads x (B x `splits`).
 
     Args:
@@ -108,13 +108,14 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
             row-contiguous first where they are not (MLX does it).
         params: int32 ``[position, k_start, window, L, N, splits]``; scale: float32 ``[1]``.
         blocks: the packed variant's int32 ``(blocks, 3)`` table (`query_blocks`).
-        block_n, warpgroups, stages, overlap: the build (`BLOCK_N`, `WARPGROUPS`, `STAGES`,
-            `OVERLAP`; overlap needs 2 stages).
+        block_n, warpgroups, stages, overlap: the build (`BLOCK_N`, `WARPGROUPS`, `STAGES`;
+            overlap None: `OVERLAP` as it is at the call; overlap needs 2 stages).
     Returns:
         The kernel's outputs, as `output_shapes` and `output_dtypes` say.
     """
     B, H, Lq, D = q.shape
     threads = 128 * warpgroups
+    overlap = OVERLAP if overlap is None else overlap
     inputs = [q, keys, values, params, scale] + ([blocks] if blocks is not None else [])
     return mx.fast.precompiled_cuda_kernel(
         name=kernel_name(D, variant, block_n, warpgroups, stages, overlap),

@@ -5,6 +5,11 @@ checked on the GPU: `python -m bench.gpu_attention --check`."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
@@ -31,6 +36,35 @@ def test_every_variant_compiles_for_sm_90a(variant, overlap):
     cubin = sm90._cubin(*build)
     assert cubin[:4] == b"\x7fELF"
     assert sm90.kernel_name(*build).encode() in cubin   # extern "C": MLX looks it up by name
+
+
+def _nvdisasm() -> str:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel (the test extra) or the PATH."""
+    wheel = Path(sys.prefix) / "lib"
+    found = sorted(wheel.glob("python3*/site-packages/nvidia/cu*/bin/nvdisasm"))
+    path = str(found[0]) if found else shutil.which("nvdisasm")
+    if path is None:
+        pytest.skip("nvdisasm is not installed (the test extra brings it on Linux x86-64)")
+    return path
+
+
+@pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
+def test_the_pipelined_softmax_runs_under_the_product(variant, tmp_path):
+    # OVERLAP's point: S_j's softmax (its exp2s) runs while P_(j-1) V_(j-1) is in flight,
+    # i.e. between the wait for S (wgmma.wait_group 1: WARPGROUP.DEPBAR.LE gsb0, 0x1) and the
+    # wait for everything (gsb0, 0x0). ptxas hoisted the second wait above every exp2 when it
+    # shared a block with the softmax; this reads the schedule it produced
+    _nvrtc_or_skip()
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(sm90._cubin(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, 2, True))
+    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    first = next(i for i, line in enumerate(sass) if "gsb0, 0x1" in line)
+    second = next(i for i in range(first, len(sass)) if "gsb0, 0x0" in sass[i])
+    under = sum("MUFU.EX2" in line for line in sass[first:second])
+    # P's exponentials (a thread's 2 rows x BLOCK_N / 4 of the keys) and the two rescale
+    # factors
+    assert under == sm90.BLOCK_N // 2 + 2
 
 
 def test_the_pipelined_loop_needs_two_stages():
