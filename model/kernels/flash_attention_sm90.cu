@@ -203,10 +203,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
 
   auto k_tile = [&](int stage) { return k_smem + stage * KV_BYTES; };
   auto v_tile = [&](int stage) { return v_smem + stage * KV_BYTES; };
-  const uint32_t q_wg = q_smem + wg * 64 * 128;   // this warpgroup's 64 query rows
 
   // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps (issued, not awaited)
   auto issue_qk = [&](float (&s)[N_TILES][4], uint32_t k) {
+    // this warpgroup's 64 query rows (computed here: hoisted out of the loop, the address
+    // costs ~20 more registers)
+    const uint32_t q_wg = q_smem + wg * 64 * 128;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
