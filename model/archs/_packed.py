@@ -1,5 +1,6 @@
-"""Several jobs' chunks in one forward pass (`model.chunk.launch_packed`): `PackedModel`
-and `attend_each`, shared by the architectures that pack (`gemma3`, `llama`).
+"""Several jobs' chunks in one forward pass (`model.chunk.launch_packed`): `PackedModel`,
+`ProjectedAttention` and `attend_each`, shared by the architectures that pack (`gemma3`,
+`llama`).
 
 The chunks lie one after another along ``L``, ``(1, sum(lengths), ...)``: embedding, norms,
 projections and MLP run over every row at once; attention and the outputs are per job.
@@ -38,6 +39,31 @@ def attend_each(attend: Attend, q: mx.array, k: mx.array, v: mx.array, caches: l
         outs.append(attend(q[:, rows], k[:, rows], v[:, rows], cache, position))
         start += n
     return mx.concatenate(outs, axis=1)
+
+
+class ProjectedAttention:
+    """`__call__` and `packed` of an attention module with ``attn_q``, ``attn_k``, ``attn_v``
+    and ``attn_output`` projections and an ``attend(q, k, v, layer cache, position)`` that
+    takes one job's projected rows (``gemma3.Attention``, ``llama.Attention``)."""
+
+    attn_q: Callable[[mx.array], mx.array]
+    attn_k: Callable[[mx.array], mx.array]
+    attn_v: Callable[[mx.array], mx.array]
+    attn_output: Callable[[mx.array], mx.array]
+    attend: Attend
+
+    def __call__(self, x: mx.array, cache, position: int) -> mx.array:
+        """One job's chunk ``(B, L, hidden)`` at `position` -> ``(B, L, hidden)``."""
+        return self.attn_output(self.attend(self.attn_q(x), self.attn_k(x), self.attn_v(x),
+                                            cache, position))
+
+    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
+               ) -> mx.array:
+        """Several jobs' chunks packed along ``L`` (``(1, sum(lengths), hidden)``): the
+        projections run over every row at once, attention per job against its own cache
+        at its own position (`attend_each`); ``(1, sum(lengths), hidden)``."""
+        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        return self.attn_output(attend_each(self.attend, q, k, v, caches, positions, lengths))
 
 
 class PackedModel:

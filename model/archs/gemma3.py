@@ -24,7 +24,7 @@ from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
 from ._gemma3_graph import GraphForward
-from ._packed import PackedModel, attend_each
+from ._packed import PackedModel, ProjectedAttention
 
 ARCHITECTURE = "gemma3"
 # llama.cpp hard-codes the local RoPE base for Gemma 3 (``freq_base_swa``); it is not in the GGUF.
@@ -69,7 +69,7 @@ class ModelArgs(DecoderArgs):
         ]
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, ProjectedAttention):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -86,17 +86,6 @@ class Attention(nn.Module):
         self.attn_q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        return self.attn_output(self.attend(self.attn_q(x), self.attn_k(x), self.attn_v(x),
-                                            cache, position))
-
-    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
-               ) -> mx.array:
-        """Several jobs' chunks packed along ``L`` (``(1, sum(lengths), hidden)``): the
-        projections run over every row at once, attention per job against its own cache
-        at its own position."""
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        return self.attn_output(attend_each(self.attend, q, k, v, caches, positions, lengths))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
                ) -> mx.array:

@@ -20,7 +20,7 @@ from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes
 from ._attention import cache_attention
-from ._packed import PackedModel, attend_each
+from ._packed import PackedModel, ProjectedAttention
 
 ARCHITECTURE = "llama"
 # llama.cpp's rope type per architecture (``llama_model_rope_type``): NORM rotates adjacent
@@ -178,7 +178,7 @@ class Rope(nn.Module):
                             scale=self.scale, offset=offset, freqs=self._periods)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, ProjectedAttention):
     def __init__(self, args: ModelArgs, layer: int, rope: Rope):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -194,17 +194,6 @@ class Attention(nn.Module):
             self.attn_q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
             self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache, position: int) -> mx.array:
-        return self.attn_output(self.attend(self.attn_q(x), self.attn_k(x), self.attn_v(x),
-                                            cache, position))
-
-    def packed(self, x: mx.array, caches: list, positions: list[int], lengths: list[int]
-               ) -> mx.array:
-        """Several jobs' chunks packed along ``L`` (``(1, sum(lengths), hidden)``): the
-        projections run over every row at once, attention per job against its own cache
-        at its own position (`model.archs._packed.attend_each`)."""
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        return self.attn_output(attend_each(self.attend, q, k, v, caches, positions, lengths))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
                ) -> mx.array:
