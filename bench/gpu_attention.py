@@ -1,4 +1,4 @@
-"""python -m bench.gpu_attention [--check] [--out FILE]
+"""python -m bench.gpu_attention [--check] [--sweep] [--sweep-plan] [--out FILE]
 
 The fused CUDA attention kernel (`model.kernels.flash_attention`) on the device: exactness
 against the unfused MLX path (`check`) and TFLOP/s against MLX and torch SDPA (`micro`).
@@ -14,12 +14,15 @@ from collections.abc import Iterable
 import mlx.core as mx
 
 from model.archs._attention import blocked_attention
+from model.kernels import flash_attention as fa
 from model.kernels import flash_attention_sm90 as sm90
 from model.kernels.flash_attention import (
+    MIN_KEY_BLOCKS_PER_SPLIT,
     SM90_BLOCK_N,
     SM90_WARPS,
     available,
     flash_attention,
+    grid_plan,
     packed_flash_attention,
     plan,
 )
@@ -83,17 +86,17 @@ def check(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
         ref = blocked_attention(*grouped, scale, position, window)
         diff = float(mx.abs(ours - ref).max() / mx.abs(ref).max())
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
+        grid = plan(1, H, L, k.shape[2], window, warps=warps, hopper=hopper)
         rec("flash_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
             heads=H, kv_heads=KVH, queries=L, position=position, window=window,
-            **_path(warps, hopper), splits=plan(1, H, L, k.shape[2], window, warps=warps,
-                                                 hopper=hopper)[1])
+            **_path(warps, hopper), splits=grid.splits, block_warps=grid.warps)
     return ok
 
 
 def _path(warps: int, hopper: bool) -> dict:
     """A record's fields naming the kernel path it measured."""
     if hopper:
-        return {"path": "sm90 wgmma", "overlap": sm90.OVERLAP}
+        return {"path": "sm90 wgmma"}
     return {"path": "mma.sync", "warps": warps}
 
 
@@ -146,9 +149,8 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool
         seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
 
 
-# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, overlap: a
-# step's softmax under the previous step's P V, which needs 2 stages)
-SM90_VARIANTS = ((2, 2, True), (2, 2, False), (2, 1, False), (1, 2, True), (1, 2, False))
+# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages)
+SM90_VARIANTS = ((2, 2), (2, 1), (1, 2))
 
 
 def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
@@ -166,19 +168,70 @@ def _sweep_at(rec: Recorder, L: int, variants) -> None:
     params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
     scale = mx.array([D ** -0.5], dtype=mx.float32)
 
-    def run(wg: int, stages: int, overlap: bool) -> mx.array:
+    def run(wg: int, stages: int) -> mx.array:
         return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
-                           [q.shape], [q.dtype], warpgroups=wg, stages=stages,
-                           overlap=overlap)[0]
+                           [q.shape], [q.dtype], warpgroups=wg, stages=stages)[0]
 
-    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.OVERLAP).astype(mx.float32)
-    for wg, stages, overlap in variants:
-        s = _seconds(lambda w=wg, st=stages, o=overlap: run(w, st, o), MICRO["repeats"])
-        diff = float(mx.abs(run(wg, stages, overlap).astype(mx.float32) - base).max()
+    base = run(sm90.WARPGROUPS, sm90.STAGES).astype(mx.float32)
+    for wg, stages in variants:
+        s = _seconds(lambda w=wg, st=stages: run(w, st), MICRO["repeats"])
+        diff = float(mx.abs(run(wg, stages).astype(mx.float32) - base).max()
                      / mx.abs(base).max())
         rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
-            stages=stages, overlap=overlap, queries=L, seconds=round(s, 5),
-            diff_from_default=diff)
+            stages=stages, queries=L, seconds=round(s, 5), diff_from_default=diff)
+
+
+# Gemma 3's chunk shapes (H, KVH, L, position, window) at which `sweep_plan` times the
+# sm_90a grids: 4B's 8 heads over 4 (global, and its 1,024 window), 270M's 4 over 1 (global,
+# and its 512 window), 2,048- and 8,192-token chunks, and one 32K pass.
+PLAN_SHAPES = (
+    [(8, 4, 2048, p, None) for p in (0, 2048, 6144, 14_336, 30_720)]
+    + [(8, 4, 2048, 6144, 1024)]
+    + [(4, 1, 2048, p, None) for p in (0, 2048, 6144, 14_336, 30_720)]
+    + [(4, 1, 2048, 6144, 512), (4, 1, 8192, 0, None), (4, 1, 8192, 24_576, None),
+       (4, 1, 32_768, 0, None)])
+
+
+def sweep_plan(rec: Recorder, shapes=PLAN_SHAPES) -> None:
+    """The sm_90a kernel at each of `shapes` on every grid of one or two warpgroups and 1-8
+    key splits (`MIN_KEY_BLOCKS_PER_SPLIT` key blocks each or more), fastest of 10 with the
+    splits' combine: ``sm90_grid_us`` each; then per shape the grid `plan` chooses against
+    the earlier plan's (two warpgroups, splits up to one block per multiprocessor) and the
+    fastest: ``sm90_plan_over_earlier``, ``sm90_plan_over_fastest`` (time ratios, > 1 when
+    the plan is faster)."""
+    for shape in shapes:
+        _sweep_plan_at(rec, *shape)
+
+
+def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
+                   window: int | None) -> None:
+    q, k, v = _inputs(H, KVH, L, position, window)
+    N = k.shape[2]
+    visible = min(N, window + 128) if window else N
+    shape = {"heads": H, "kv_heads": KVH, "queries": L, "position": position, "window": window}
+    times = {}
+    for wg in (2, 1):
+        for splits in (1, 2, 3, 4, 6, 8):
+            if splits > 1 and visible // SM90_BLOCK_N // splits < MIN_KEY_BLOCKS_PER_SPLIT:
+                continue
+            grid = (-(-L // (64 * wg)), splits, 4 * wg)
+            times[grid] = _seconds(
+                lambda g=grid: _sm90_grid(q, k, v, position, window, g), 10)
+            rec("sm90_grid_us", times[grid] * 1e6, "us", **shape, q_blocks=grid[0],
+                splits=splits, warpgroups=wg)
+    chosen = tuple(plan(1, H, L, N, window, hopper=True))
+    earlier = tuple(grid_plan(1, H, L, N, window, SM90_BLOCK_N, 8, sm90.MULTIPROCESSORS))
+    fastest = min(times, key=times.get)
+    for name, than in (("earlier", earlier), ("fastest", fastest)):
+        if chosen in times and than in times:
+            rec(f"sm90_plan_over_{name}", times[than] / times[chosen], "x", **shape,
+                plan=list(chosen), **{name: list(than)})
+
+
+def _sm90_grid(q, k, v, position: int, window: int | None, grid) -> mx.array:
+    """`flash_attention`'s sm_90a launch on the grid ``(q_blocks, splits, warps)``."""
+    with patched(fa, "plan", lambda *args, **kwargs: fa.GridPlan(*grid)):
+        return flash_attention(q, k, v, q.shape[3] ** -0.5, position, window, hopper=True)
 
 
 # Packed steps of several jobs' first chunks (`packed_flash_attention`): (H, KVH, lengths,
@@ -219,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="only the exactness check")
     p.add_argument("--sweep", action="store_true",
                    help="also time the sm_90a kernel's build variants (SM90_VARIANTS)")
+    p.add_argument("--sweep-plan", action="store_true",
+                   help="also time the sm_90a kernel's grids at Gemma 3's chunk shapes "
+                        "(PLAN_SHAPES) against its plan")
     args = p.parse_args(argv)
     if not available():
         p.error(f"no CUDA GPU: MLX's default device is {mx.default_device()}")
@@ -230,15 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     peers = [] if args.check else run_all(rec, attention_plan(MICRO))
     ok = check(rec) and check(rec, warps=8) and check_packed(rec) and check_packed(rec, 8)
     hopper = sm90.compute_capability() == (9, 0)
-    if hopper:  # the sm_90a path beside the mma.sync one, both schedules of it
+    if hopper:  # the sm_90a path beside the mma.sync one
         ok &= check(rec, hopper=True) and check_packed(rec, hopper=True)
-        with patched(sm90, "OVERLAP", not sm90.OVERLAP):
-            ok &= check(rec, hopper=True) and check_packed(rec, hopper=True)
     log(f"flash attention check: {'ok' if ok else 'FAILED'}")
     if not args.check:
         micro(rec, peers, hopper=hopper)
     if args.sweep and hopper:
         sweep(rec)
+    if args.sweep_plan and hopper:
+        sweep_plan(rec)
     return 0 if ok else 1
 
 

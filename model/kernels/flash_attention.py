@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from functools import cache, lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -38,8 +39,11 @@ TARGET_BLOCKS = 264
 MIN_KEY_BLOCKS_PER_SPLIT = 32
 
 # The sm_90a path's block (`model.kernels.flash_attention_sm90`): warpgroups of 64 queries
-# (4 warps' worth of rows each) over `sm90.BLOCK_N` keys a step.
+# (4 warps' worth of rows each) over `sm90.BLOCK_N` keys a step; its default build, which
+# packed steps and the micro-benchmark's record use (`plan` may take one warpgroup).
 SM90_BLOCK_N, SM90_WARPS = sm90.BLOCK_N, 4 * sm90.WARPGROUPS
+# The sm_90a plan's one-warpgroup blocks serve key ranges up to this long (`sm90_plan`).
+SM90_ONE_WARPGROUP_MAX_KEYS = 16_384
 
 _kernels: dict[tuple[int, int, str, int], object] = {}
 _DEFINES = {ONE: "", SPLIT: "#define PREFILLQ_SPLIT 1\n", PACKED: "#define PREFILLQ_PACKED 1\n"}
@@ -96,6 +100,15 @@ def _float32s(*values: float) -> mx.array:
     return mx.array(values, dtype=mx.float32)
 
 
+class GridPlan(NamedTuple):
+    """A launch's grid: query blocks per head, key splits, and warps per block (the sm_90a
+    path's: 4 per warpgroup)."""
+
+    q_blocks: int
+    splits: int
+    warps: int
+
+
 def splits_for(q_blocks: int, key_blocks: int, target: int = TARGET_BLOCKS) -> int:
     """Key splits for a grid of `q_blocks` blocks over up to `key_blocks` key blocks each:
     enough to reach `target` blocks, each split `MIN_KEY_BLOCKS_PER_SPLIT` or more."""
@@ -104,14 +117,40 @@ def splits_for(q_blocks: int, key_blocks: int, target: int = TARGET_BLOCKS) -> i
 
 
 def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
-              warps: int = DEFAULT_WARPS, target: int = TARGET_BLOCKS) -> tuple[int, int]:
-    """``(query blocks per head, key splits)`` of `flash_attention` on `L` queries of `H`
-    heads (batch `B`) over `N` keys: a block sees at most ``window + rows`` keys; splits
-    reach `target` blocks (`splits_for`)."""
+              warps: int = DEFAULT_WARPS, target: int = TARGET_BLOCKS) -> GridPlan:
+    """The mma.sync kernel's grid for `L` queries of `H` heads (batch `B`) over `N` keys: a
+    block sees at most ``window + rows`` keys; splits reach `target` blocks (`splits_for`)."""
     rows = ROWS_PER_WARP * warps
     q_blocks = -(-L // rows)
     visible = min(N, window + rows) if window else N
-    return q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n), target)
+    return GridPlan(q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n), target),
+                    warps)
+
+
+def sm90_plan(B: int, H: int, L: int, N: int, window: int | None) -> GridPlan:
+    """The sm_90a kernel's grid for `L` queries of `H` heads (batch `B`) over `N` keys.
+
+    One block fills a multiprocessor (its shared memory), and a key split costs ~0.1 ms
+    (fp32 partial outputs and their combine): on an H100, at Gemma 3's chunk shapes, more
+    than a second wave of blocks or one-warpgroup blocks' lower rate cost. So, in order:
+    two warpgroups (128 queries a block) and no split when their blocks fill half the
+    multiprocessors; else one warpgroup (64 queries) when twice the blocks do and a block
+    sees at most `SM90_ONE_WARPGROUP_MAX_KEYS` keys; else two warpgroups with as many splits
+    as one wave holds (`MIN_KEY_BLOCKS_PER_SPLIT` or more key blocks each). Measured against
+    the earlier plan (splits up to one block per multiprocessor) by ``bench.gpu_attention
+    --sweep-plan``: docs/benchmarks.md, "The sm_90a plan".
+    """
+    sms = sm90.MULTIPROCESSORS
+    visible = min(N, window + 64 * sm90.WARPGROUPS) if window else N
+    q_blocks = -(-L // (64 * sm90.WARPGROUPS))
+    grid = q_blocks * H * B
+    if 2 * grid >= sms:
+        return GridPlan(q_blocks, 1, SM90_WARPS)
+    if 4 * grid >= sms and visible <= SM90_ONE_WARPGROUP_MAX_KEYS:
+        return GridPlan(-(-L // 64), 1, 4)
+    key_blocks = -(-visible // SM90_BLOCK_N)
+    splits = max(1, min(sms // grid, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
+    return GridPlan(q_blocks, splits, SM90_WARPS)
 
 
 def _hopper(wanted: bool | None) -> bool:
@@ -120,11 +159,11 @@ def _hopper(wanted: bool | None) -> bool:
 
 
 def plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
-         warps: int = DEFAULT_WARPS, hopper: bool = False) -> tuple[int, int]:
-    """`grid_plan` of the path `flash_attention` takes: the mma.sync kernel's at `block_n`
-    and `warps`, or with `hopper` the sm_90a kernel's (its block, its split target)."""
+         warps: int = DEFAULT_WARPS, hopper: bool = False) -> GridPlan:
+    """The grid of the path `flash_attention` takes: the mma.sync kernel's at `block_n` and
+    `warps` (`grid_plan`), or with `hopper` the sm_90a kernel's (`sm90_plan`)."""
     if hopper:
-        return grid_plan(B, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.TARGET_BLOCKS)
+        return sm90_plan(B, H, L, N, window)
     return grid_plan(B, H, L, N, window, block_n, warps)
 
 
@@ -146,7 +185,8 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         block_n: keys per step (a multiple of 16; the mma.sync path's).
         warps: warps per block, 16 queries each (the mma.sync path's).
         hopper: True for the wgmma path (`model.kernels.flash_attention_sm90`: compute
-            capability 9.0, 128 queries and 64 keys a step), False for mma.sync, None for
+            capability 9.0, 128 or 64 queries a block as `sm90_plan` chooses, 64 keys a
+            step), False for mma.sync, None for
             the wgmma path where `flash_attention_sm90.available` (every H100/H200 unless
             ``$PREFILLQ_HOPPER_ATTENTION=0``).
     Returns:
@@ -161,15 +201,17 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     B, H, L, D = q.shape
     KVH, N = keys.shape[1], keys.shape[2]
     hopper = _hopper(hopper)
-    q_blocks, splits = plan(B, H, L, N, window, block_n, warps, hopper)
+    q_blocks, splits, warps = plan(B, H, L, N, window, block_n, warps, hopper)
     params = _int32s(position, position - (N - L), window or 0, L, N, splits)
     inputs = [q, keys, values, params, _float32s(scale)]
     if hopper:
+        warpgroups = warps // 4
         if splits == 1:
-            return sm90.launch(ONE, *inputs, q_blocks, 1, [(B, H, L, D)], [q.dtype])[0]
+            return sm90.launch(ONE, *inputs, q_blocks, 1, [(B, H, L, D)], [q.dtype],
+                               warpgroups=warpgroups)[0]
         parts, lse = sm90.launch(SPLIT, *inputs, q_blocks, splits,
                                  [(B, H, splits, L, D), (B, H, splits, L)],
-                                 [mx.float32, mx.float32])
+                                 [mx.float32, mx.float32], warpgroups=warpgroups)
         return _combine(parts, lse, q.dtype)
     template = [("D", D), ("BLOCK_N", block_n), ("GROUP", H // KVH), ("PAD", PAD),
                 ("WARPS", warps)]

@@ -13,9 +13,7 @@
 // out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
 // float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
 // Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64),
-// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers), OVERLAP (1: a step's softmax
-// runs while the previous step's P V is in flight, FlashAttention-3's Algorithm 2; 0: one
-// product at a time).
+// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
 //
 // Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
 // "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
@@ -26,9 +24,6 @@
 
 #ifndef STAGES
 #define STAGES 2
-#endif
-#ifndef OVERLAP
-#define OVERLAP 0
 #endif
 
 constexpr int BLOCK_M = 64 * WARPGROUPS;
@@ -42,7 +37,6 @@ static_assert(BLOCK_N == 64, "S's wgmma is m64n64k16: 8 fragments of 8 keys");
 static_assert(D % 64 == 0 && D <= 256, "O += P V covers up to four 64-dim regions");
 static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
-static_assert(!OVERLAP || STAGES == 2, "the pipelined loop keeps K and V two stages deep");
 
 // The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
@@ -264,92 +258,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   };
 
   const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
-#if OVERLAP
-  // FlashAttention-3's intra-warpgroup pipeline (Shah et al., 2024, Algorithm 2): step j
-  // issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs S_j's softmax while the
-  // second product is in flight; O takes its rescale once that lands. K and V load in their
-  // own stages one step apart (step j loads K_{j+1} and V_j), so a stage is refilled only
-  // after the product that read it was awaited. Step 0 is peeled off.
-  // BLOCK_N rows of k or v from key block kb into a stage's tile, swizzled (past N: zeros)
-  auto load_tile = [&](uint32_t tile, const uint16_t* base, int kb) {
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {
-      const int r = copy_row + i * ROWS_PER_PASS;
-      const int key = kb + r - k_start;
-      const bool ok = key < N;
-      cp_async16(tile + swizzled(r, copy_col, BLOCK_N),
-                 base + (long)(ok ? key : 0) * k_row + copy_col * 8, ok ? 16 : 0);
-    }
-  };
-  uint32_t pa[N_TILES / 2][4];
-  if (n_steps > 0) {
-    load_tile(k_tile(0), kp, lo_block);
-    asm volatile("cp.async.commit_group;\n" ::);
-    if (n_steps > 1) load_tile(k_tile(1), kp, lo_block + BLOCK_N);
-    load_tile(v_tile(0), vp, lo_block);
-    asm volatile("cp.async.commit_group;\n" ::);
-    // Q and K_0 are in (every group but the newest), for every thread
-    asm volatile("cp.async.wait_group 1;\n" ::);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    float s[N_TILES][4];
-    wgmma_fence();
-    issue_qk(s, k_tile(0));
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(s);
-    mask_scale(s, lo_block);
-    float alpha_lo, alpha_hi;   // O is zero: nothing to rescale
-    softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-    pack(s, pa);
-    fence_registers(pa);
-  }
-  for (int step = 1; step < n_steps; ++step) {
-    const int kb = lo_block + step * BLOCK_N, stage = step % 2;
-    tiles_ready();   // K_step and V_(step-1)
-    if (step + 1 < n_steps) load_tile(k_tile(1 - stage), kp, kb + BLOCK_N);
-    load_tile(v_tile(stage), vp, kb);
-    asm volatile("cp.async.commit_group;\n" ::);
-
-    float s[N_TILES][4];
-    fence_registers(o);
-    wgmma_fence();
-    issue_qk(s, k_tile(stage));
-    wgmma_commit();
-    issue_pv(pa, v_tile(1 - stage));
-    wgmma_commit();
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-    fence_registers(s);
-    mask_scale(s, kb);
-    const float old_lo = m_lo, old_hi = m_hi;
-    float alpha_lo, alpha_hi;
-    softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-    // P_(step-1) V_(step-1) is in O, and pa is free, after the wait. It sits in both arms
-    // of the vote's branch: in one block with the softmax, ptxas hoists it above every
-    // exp2, and the softmax would no longer run under the product
-    if (__any_sync(0xffffffff, m_lo != old_lo || m_hi != old_hi)) {
-      wgmma_wait_all();
-      fence_registers(o);
-      fence_registers(pa);
-      rescale_rows(o, alpha_lo, alpha_hi);
-    } else {
-      wgmma_wait_all();
-      fence_registers(o);
-      fence_registers(pa);
-    }
-    pack(s, pa);
-    fence_registers(pa);   // P's conversions stay before the next step's wgmma_fence
-  }
-  if (n_steps > 0) {   // the last P V
-    tiles_ready();
-    fence_registers(o);
-    wgmma_fence();
-    issue_pv(pa, v_tile((n_steps - 1) % 2));
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(o);
-  }
-#else
   // one product at a time: S, its softmax, then P V
   auto load_kv = [&](int stage, int kb) {   // K and V of a key block, one address each row
 #pragma unroll
@@ -394,7 +302,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
       load_kv(0, kb + BLOCK_N);
     }
   }
-#endif
 
   // Q's copies are awaited here too when no key block fell to this block (an empty split)
   asm volatile("cp.async.wait_group 0;\n" ::);

@@ -30,15 +30,12 @@ PRELUDE = ("typedef unsigned short uint16_t;\ntypedef unsigned int uint32_t;\n"
 ENV = "PREFILLQ_HOPPER_ATTENTION"
 ARCH = "sm_90a"
 BLOCK_N = 64          # keys a step: the n of S's wgmma (m64n64k16)
-WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup
+WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup (`flash_attention.sm90_plan`
+                      # takes one for some grids)
 STAGES = 2            # K/V buffers: the next tile loads while this one is used
-# True: a step's softmax runs while the previous step's P V is in flight (FlashAttention-3's
-# intra-warpgroup pipeline; compiled, 250 registers, no spills, not yet run on a GPU: the
-# sweep of bench.gpu_attention times it); False: one product at a time (measured)
-OVERLAP = False
-# One block fills a multiprocessor (its shared memory): key splits aim at one block per
-# multiprocessor of an H100/H200 (132), not flash_attention.TARGET_BLOCKS' two
-TARGET_BLOCKS = 132
+# One block fills a multiprocessor (its shared memory), and an H100 SXM or H200 has 132:
+# `flash_attention.sm90_plan` sizes its grids by them
+MULTIPROCESSORS = 132
 # the source's hash, in every variant's name (computed once: names are built per launch)
 TAG = source_tag(HEADER, SOURCE)
 _DEFINES = {ONE: (), SPLIT: ("-DPREFILLQ_SPLIT=1",), PACKED: ("-DPREFILLQ_PACKED=1",)}
@@ -76,20 +73,19 @@ def shared_bytes(head_dim: int, block_n: int = BLOCK_N, warpgroups: int = WARPGR
     return (64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 1024
 
 
-def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int,
-                overlap: bool = OVERLAP) -> str:
+def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int
+                ) -> str:
     """The ``extern "C"`` name of one compiled variant (MLX caches modules by it, so it
     carries a hash of the source: `model.kernels.source_tag`)."""
     return (f"prefillq_fa_sm90_{TAG}_d{head_dim}_n{block_n}"
-            f"_wg{warpgroups}_s{stages}_o{int(overlap)}_{variant}")
+            f"_wg{warpgroups}_s{stages}_{variant}")
 
 
 @cache
-def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int,
-           overlap: bool = OVERLAP) -> bytes:
-    name = kernel_name(head_dim, variant, block_n, warpgroups, stages, overlap)
+def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> bytes:
+    name = kernel_name(head_dim, variant, block_n, warpgroups, stages)
     options = (f"-DKERNEL_NAME={name}", f"-DD={head_dim}", f"-DBLOCK_N={block_n}",
-               f"-DWARPGROUPS={warpgroups}", f"-DSTAGES={stages}", f"-DOVERLAP={int(overlap)}",
+               f"-DWARPGROUPS={warpgroups}", f"-DSTAGES={stages}",
                "--use_fast_math", *_DEFINES[variant])
     return compile_cubin(PRELUDE + HEADER + SOURCE, name + ".cu", ARCH, options)
 
@@ -98,8 +94,7 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
            params: mx.array, scale: mx.array, grid_x_blocks: int, splits: int,
            output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
            blocks: mx.array | None = None, block_n: int = BLOCK_N,
-           warpgroups: int = WARPGROUPS, stages: int = STAGES,
-           overlap: bool | None = None) -> list[mx.array]:
+           warpgroups: int = WARPGROUPS, stages: int = STAGES) -> list[mx.array]:
     """Launch one variant over `grid_x_blocks` query blocks x H heads x (B x `splits`).
 
     Args:
@@ -108,18 +103,16 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
             row-contiguous first where they are not (MLX does it).
         params: int32 ``[position, k_start, window, L, N, splits]``; scale: float32 ``[1]``.
         blocks: the packed variant's int32 ``(blocks, 3)`` table (`query_blocks`).
-        block_n, warpgroups, stages, overlap: the build (`BLOCK_N`, `WARPGROUPS`, `STAGES`;
-            overlap None: `OVERLAP` as it is at the call; overlap needs 2 stages).
+        block_n, warpgroups, stages: the build (`BLOCK_N`, `WARPGROUPS`, `STAGES`).
     Returns:
         The kernel's outputs, as `output_shapes` and `output_dtypes` say.
     """
     B, H, Lq, D = q.shape
     threads = 128 * warpgroups
-    overlap = OVERLAP if overlap is None else overlap
     inputs = [q, keys, values, params, scale] + ([blocks] if blocks is not None else [])
     return mx.fast.precompiled_cuda_kernel(
-        name=kernel_name(D, variant, block_n, warpgroups, stages, overlap),
-        compiled_source=_cubin(D, variant, block_n, warpgroups, stages, overlap),
+        name=kernel_name(D, variant, block_n, warpgroups, stages),
+        compiled_source=_cubin(D, variant, block_n, warpgroups, stages),
         inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
         scalars=[H, keys.shape[1], Lq, keys.shape[2]],
         grid=(grid_x_blocks * threads, H, B * splits), threadgroup=(threads, 1, 1),

@@ -50,11 +50,11 @@ def test_the_kernel_source_ships_with_the_package():
 
 def test_the_grid_plan_counts_the_keys_a_block_may_see():
     # a 2,048-token chunk of 4 heads after 6,144 keys: 32 query blocks, split 3 ways
-    assert fa.grid_plan(1, 4, 2048, 8192, None) == (32, 3)
+    assert fa.grid_plan(1, 4, 2048, 8192, None) == (32, 3, 4)
     # under a 512 window a block sees 576 keys (9 blocks of 64): too few to split
-    assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 1)
+    assert fa.grid_plan(1, 4, 2048, 2559, 512) == (32, 1, 4)
     # 8 warps: blocks of 128 queries; 128 key blocks allow 4 splits of 32
-    assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 4)
+    assert fa.grid_plan(1, 4, 2048, 8192, None, warps=8) == (16, 4, 8)
 
 
 def test_a_packed_step_launches_a_block_per_64_queries_of_each_job():

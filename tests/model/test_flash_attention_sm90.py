@@ -5,6 +5,7 @@ checked on the GPU: `python -m bench.gpu_attention --check`."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -28,11 +29,11 @@ def _nvrtc_or_skip():
         pytest.skip(str(e))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
-def test_every_variant_compiles_for_sm_90a(variant, overlap):
+def test_every_variant_compiles_for_sm_90a(variant, warpgroups):
     _nvrtc_or_skip()
-    build = (256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES, overlap)
+    build = (256, variant, sm90.BLOCK_N, warpgroups, sm90.STAGES)
     cubin = sm90._cubin(*build)
     assert cubin[:4] == b"\x7fELF"
     assert sm90.kernel_name(*build).encode() in cubin   # extern "C": MLX looks it up by name
@@ -48,29 +49,19 @@ def _nvdisasm() -> str:
     return path
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])   # both of the plan's blocks
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
-def test_the_pipelined_softmax_runs_under_the_product(variant, tmp_path):
-    # OVERLAP's point: S_j's softmax (its exp2s) runs while P_(j-1) V_(j-1) is in flight,
-    # i.e. between the wait for S (wgmma.wait_group 1: WARPGROUP.DEPBAR.LE gsb0, 0x1) and the
-    # wait for everything (gsb0, 0x0). ptxas hoisted the second wait above every exp2 when it
-    # shared a block with the softmax; this reads the schedule it produced
+def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, tmp_path):
+    # a step's S = Q K^T is D / 16 = 16 wgmma.m64n64k16 and its O += P V 4 regions x 4
+    # k-steps: 32 HGMMA in the loop's one copy; and no register spills (local memory
+    # loads/stores), which would cost every step
     _nvrtc_or_skip()
     cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(sm90._cubin(256, variant, sm90.BLOCK_N, sm90.WARPGROUPS, 2, True))
+    cubin.write_bytes(sm90._cubin(256, variant, sm90.BLOCK_N, warpgroups, sm90.STAGES))
     sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout.splitlines()
-    first = next(i for i, line in enumerate(sass) if "gsb0, 0x1" in line)
-    second = next(i for i in range(first, len(sass)) if "gsb0, 0x0" in sass[i])
-    under = sum("MUFU.EX2" in line for line in sass[first:second])
-    # P's exponentials (a thread's 2 rows x BLOCK_N / 4 of the keys) and the two rescale
-    # factors
-    assert under == sm90.BLOCK_N // 2 + 2
-
-
-def test_the_pipelined_loop_needs_two_stages():
-    _nvrtc_or_skip()
-    with pytest.raises(NvrtcError, match="two stages deep"):
-        sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, 1, True)
+                          check=True).stdout
+    assert sass.count("HGMMA.64x64x16.F32.BF16") == 32
+    assert not re.search(r"\b(STL|LDL)\b", sass)
 
 
 def test_the_source_needs_the_architecture_specific_target():
@@ -114,9 +105,24 @@ def test_kernel_names_change_with_their_source():
     assert source_tag(sm90.HEADER, sm90.SOURCE + "\n") != source_tag(sm90.HEADER, sm90.SOURCE)
 
 
-def test_the_sm_90a_plan_takes_its_own_block_and_split_target():
-    # 128 queries a block, and splits only up to one block per multiprocessor (132)
-    assert fa.plan(1, 4, 8192, 8192, None, hopper=True) == (64, 1)
-    assert fa.plan(1, 4, 8192, 8192, None) == (128, 1)    # mma.sync: 512 blocks already
-    assert fa.plan(1, 1, 8192, 8192, None, hopper=True) == (64, 3)
-    assert fa.plan(1, 4, 2048, 8192, None, hopper=True) == (16, 3)
+def test_the_sm_90a_plan_fills_half_the_multiprocessors_before_it_splits_keys():
+    # (query blocks, splits, warps); 132 multiprocessors, one block each
+    assert sm90.MULTIPROCESSORS == 132
+    # Gemma 3 4B's chunk (8 heads): 128 blocks of two warpgroups, no split, however long
+    assert fa.plan(1, 8, 2048, 32_768, None, hopper=True) == (16, 1, 8)
+    assert fa.plan(1, 8, 2048, 8192, 1024, hopper=True) == (16, 1, 8)
+    assert fa.plan(1, 4, 8192, 8192, None, hopper=True) == (64, 1, 8)
+    # Gemma 3 270M's chunk (4 heads): 64 blocks of two would leave half the SMs idle, so
+    # 128 of one warpgroup while a block sees up to 16,384 keys...
+    assert fa.plan(1, 4, 2048, 8192, None, hopper=True) == (32, 1, 4)
+    assert fa.plan(1, 4, 2048, 16_384, None, hopper=True) == (32, 1, 4)
+    assert fa.plan(1, 4, 2048, 8192, 512, hopper=True) == (32, 1, 4)
+    assert fa.plan(1, 1, 8192, 8192, None, hopper=True) == (128, 1, 4)
+    # ... and past that two warpgroups with the splits one wave holds (64 x 2 = 128 <= 132)
+    assert fa.plan(1, 4, 2048, 32_768, None, hopper=True) == (16, 2, 8)
+    # a short chunk: splits up to one wave, each at least MIN_KEY_BLOCKS_PER_SPLIT long
+    assert fa.plan(1, 4, 64, 16_448, None, hopper=True) == (1, 8, 8)
+    assert fa.plan(1, 4, 1, 8192, None, hopper=True) == (1, 4, 8)
+    assert fa.plan(1, 4, 64, 200_000, None, hopper=True) == (1, 33, 8)
+    # the mma.sync plan is unchanged: 512 blocks already
+    assert fa.plan(1, 4, 8192, 8192, None) == (128, 1, 4)
