@@ -43,7 +43,7 @@ MIN_KEY_BLOCKS_PER_SPLIT = 32
 # packed steps and the micro-benchmark's record use (`plan` may take one warpgroup).
 SM90_BLOCK_N, SM90_WARPS = sm90.BLOCK_N, 4 * sm90.WARPGROUPS
 # The sm_90a plan's one-warpgroup blocks serve key ranges up to this long (`sm90_plan`).
-SM90_ONE_WARPGROUP_MAX_KEYS = 16_384
+SM90_ONE_WARPGROUP_MAX_KEYS = 8_192
 
 _kernels: dict[tuple[int, int, str, int], object] = {}
 _DEFINES = {ONE: "", SPLIT: "#define PREFILLQ_SPLIT 1\n", PACKED: "#define PREFILLQ_PACKED 1\n"}
@@ -230,10 +230,25 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 def _combine(parts: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
-    """The key splits' outputs ``(B, H, splits, L, D)``, each weighted by its share of the
-    softmax's denominator (from the log-sum-exps ``(B, H, splits, L)``)."""
-    weights = mx.softmax(lse, axis=2)[..., None]
-    return (weights * parts).sum(axis=2).astype(dtype)
+    """The key splits' float32 outputs ``(B, H, splits, L, D)``, each weighted by its share
+    of the softmax's denominator (from the log-sum-exps ``(B, H, splits, L)``), summed in
+    split order and cast to `dtype`: ``(B, H, L, D)`` (FlashDecoding's combine)."""
+    return _weighted_sum(parts.shape[2], dtype)(parts, mx.softmax(lse, axis=2))
+
+
+@cache
+def _weighted_sum(splits: int, dtype: mx.Dtype):
+    """``sum_s weights[:, :, s, :, None] * parts[:, :, s]`` as `dtype`, compiled: one fused
+    pass over the parts, where a weighted product array and a reduction over it read and
+    wrote every part three times (a split cost ~0.1 ms on an H100 at Gemma's chunk sizes:
+    docs/benchmarks.md, "The grid plan")."""
+    def weighted_sum(parts: mx.array, weights: mx.array) -> mx.array:
+        out = parts[:, :, 0] * weights[:, :, 0, :, None]
+        for s in range(1, splits):
+            out = out + parts[:, :, s] * weights[:, :, s, :, None]
+        return out.astype(dtype)
+
+    return mx.compile(weighted_sum)
 
 
 @lru_cache(maxsize=64)

@@ -68,3 +68,18 @@ def test_packed_attention_refuses_lengths_that_miss_the_rows():
     q = mx.zeros((1, 4, 10, 256), dtype=mx.bfloat16)
     with pytest.raises(ValueError, match="lengths summing to 9"):
         fa.packed_flash_attention(q, q[:, :1], q[:, :1], 0.1, (4, 5), None)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_the_split_combine_weights_each_split_by_its_share_of_the_softmax(splits):
+    # (B, H, splits, L, D) partial outputs with their log-sum-exps: the combined rows are
+    # the softmax over all keys, i.e. the splits weighted by exp(lse_s) / sum exp(lse)
+    key = mx.random.key(splits)
+    parts = mx.random.normal((1, 2, splits, 5, 8), key=key)
+    lse = 3 * mx.random.normal((1, 2, splits, 5), key=mx.random.split(key)[0])
+    weights = mx.exp(lse - mx.logsumexp(lse, axis=2, keepdims=True))[..., None]
+    expected = (weights * parts).sum(axis=2)
+    out = fa._combine(parts, lse, mx.float32)
+    assert out.shape == (1, 2, 5, 8) and out.dtype == mx.float32
+    assert mx.allclose(out, expected, atol=1e-6).item()
+    assert fa._combine(parts, lse, mx.bfloat16).dtype == mx.bfloat16

@@ -113,12 +113,12 @@ def test_the_sm_90a_plan_fills_half_the_multiprocessors_before_it_splits_keys():
     assert fa.plan(1, 8, 2048, 8192, 1024, hopper=True) == (16, 1, 8)
     assert fa.plan(1, 4, 8192, 8192, None, hopper=True) == (64, 1, 8)
     # Gemma 3 270M's chunk (4 heads): 64 blocks of two would leave half the SMs idle, so
-    # 128 of one warpgroup while a block sees up to 16,384 keys...
+    # 128 of one warpgroup while a block sees up to 8,192 keys...
     assert fa.plan(1, 4, 2048, 8192, None, hopper=True) == (32, 1, 4)
-    assert fa.plan(1, 4, 2048, 16_384, None, hopper=True) == (32, 1, 4)
     assert fa.plan(1, 4, 2048, 8192, 512, hopper=True) == (32, 1, 4)
     assert fa.plan(1, 1, 8192, 8192, None, hopper=True) == (128, 1, 4)
     # ... and past that two warpgroups with the splits one wave holds (64 x 2 = 128 <= 132)
+    assert fa.plan(1, 4, 2048, 8193, None, hopper=True) == (16, 2, 8)
     assert fa.plan(1, 4, 2048, 32_768, None, hopper=True) == (16, 2, 8)
     # a short chunk: splits up to one wave, each at least MIN_KEY_BLOCKS_PER_SPLIT long
     assert fa.plan(1, 4, 64, 16_448, None, hopper=True) == (1, 8, 8)
