@@ -210,15 +210,10 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
     visible = min(N, window + 128) if window else N
     shape = {"heads": H, "kv_heads": KVH, "queries": L, "position": position, "window": window}
     times = {}
-    for wg in (2, 1):
-        for splits in (1, 2, 3, 4, 6, 8):
-            if splits > 1 and visible // SM90_BLOCK_N // splits < MIN_KEY_BLOCKS_PER_SPLIT:
-                continue
-            grid = (-(-L // (64 * wg)), splits, 4 * wg)
-            times[grid] = _seconds(
-                lambda g=grid: _sm90_grid(q, k, v, position, window, g), 10)
-            rec("sm90_grid_us", times[grid] * 1e6, "us", **shape, q_blocks=grid[0],
-                splits=splits, warpgroups=wg)
+    for grid in swept_grids(L, visible):
+        times[grid] = _seconds(lambda g=grid: _sm90_grid(q, k, v, position, window, g), 10)
+        rec("sm90_grid_us", times[grid] * 1e6, "us", **shape, q_blocks=grid[0],
+            splits=grid[1], warpgroups=grid[2] // 4)
     chosen = tuple(plan(1, H, L, N, window, hopper=True))
     earlier = tuple(grid_plan(1, H, L, N, window, SM90_BLOCK_N, 8, sm90.MULTIPROCESSORS))
     fastest = min(times, key=times.get)
@@ -226,6 +221,15 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
         if chosen in times and than in times:
             rec(f"sm90_plan_over_{name}", times[than] / times[chosen], "x", **shape,
                 plan=list(chosen), **{name: list(than)})
+
+
+def swept_grids(L: int, visible: int) -> list[tuple[int, int, int]]:
+    """The grids ``(q_blocks, splits, warps)`` `sweep_plan` times for `L` queries whose
+    blocks see up to `visible` keys: two or one warpgroups, 1-8 splits of at least
+    `MIN_KEY_BLOCKS_PER_SPLIT` key blocks."""
+    return [(-(-L // (64 * wg)), splits, 4 * wg) for wg in (2, 1)
+            for splits in (1, 2, 3, 4, 6, 8)
+            if splits == 1 or visible // SM90_BLOCK_N // splits >= MIN_KEY_BLOCKS_PER_SPLIT]
 
 
 def _sm90_grid(q, k, v, position: int, window: int | None, grid) -> mx.array:
@@ -269,7 +273,8 @@ def check_packed(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("python -m bench.gpu_attention", __doc__, json_lines=False)
-    p.add_argument("--check", action="store_true", help="only the exactness check")
+    p.add_argument("--check", action="store_true",
+                   help="the exactness checks without the micro-benchmark and its torch peers")
     p.add_argument("--sweep", action="store_true",
                    help="also time the sm_90a kernel's build variants (SM90_VARIANTS)")
     p.add_argument("--sweep-plan", action="store_true",

@@ -194,7 +194,6 @@ class Attention(nn.Module, ProjectedAttention):
             self.attn_q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
             self.attn_k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
 
-
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache, position: int
                ) -> mx.array:
         """One job's projected queries, keys and values ``(B, L, heads * head_dim)`` at

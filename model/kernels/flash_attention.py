@@ -130,15 +130,17 @@ def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int =
 def sm90_plan(B: int, H: int, L: int, N: int, window: int | None) -> GridPlan:
     """The sm_90a kernel's grid for `L` queries of `H` heads (batch `B`) over `N` keys.
 
-    One block fills a multiprocessor (its shared memory), and a key split costs ~0.1 ms
-    (fp32 partial outputs and their combine): on an H100, at Gemma 3's chunk shapes, more
-    than a second wave of blocks or one-warpgroup blocks' lower rate cost. So, in order:
+    One block fills a multiprocessor (its shared memory), and a key split costs 0.05-0.1 ms
+    (each split loads the block's Q again and writes fp32 partials, which `_combine` reads):
+    on an H100, at Gemma 3's chunk shapes, more than a second wave of blocks or
+    one-warpgroup blocks' lower rate cost. So, in order:
     two warpgroups (128 queries a block) and no split when their blocks fill half the
     multiprocessors; else one warpgroup (64 queries) when twice the blocks do and a block
     sees at most `SM90_ONE_WARPGROUP_MAX_KEYS` keys; else two warpgroups with as many splits
     as one wave holds (`MIN_KEY_BLOCKS_PER_SPLIT` or more key blocks each). Measured against
-    the earlier plan (splits up to one block per multiprocessor) by ``bench.gpu_attention
-    --sweep-plan``: docs/benchmarks.md, "The sm_90a plan".
+    the earlier plan (splits up to one block per multiprocessor) by ``python -m
+    bench.gpu_attention --sweep-plan``: docs/benchmarks.md, "The grid plan" under "The Hopper
+    path".
     """
     sms = sm90.MULTIPROCESSORS
     visible = min(N, window + 64 * sm90.WARPGROUPS) if window else N
@@ -186,8 +188,8 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         warps: warps per block, 16 queries each (the mma.sync path's).
         hopper: True for the wgmma path (`model.kernels.flash_attention_sm90`: compute
             capability 9.0, 128 or 64 queries a block as `sm90_plan` chooses, 64 keys a
-            step), False for mma.sync, None for
-            the wgmma path where `flash_attention_sm90.available` (every H100/H200 unless
+            step), False for mma.sync, None for the wgmma path where
+            `flash_attention_sm90.available` (every H100/H200 unless
             ``$PREFILLQ_HOPPER_ATTENTION=0``).
     Returns:
         bf16 ``(B, H, L, D)``, equal to `model.archs._attention.blocked_attention` within bf16
