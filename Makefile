@@ -39,8 +39,9 @@ endif
 run: install
 	$(RUN_ENV) $(BIN)/prefillq run
 
+# PYTEST_ARGS narrows it: `make test PYTEST_ARGS=tests/jobs`, or `PYTEST_ARGS="-k cancel"`
 test: install
-	$(RUN_ENV) $(BIN)/python -m pytest -q
+	$(RUN_ENV) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # only the long variants of the reliability and load tests (marked `long`), which `make test`
 # leaves out (pyproject's addopts)

@@ -82,6 +82,19 @@ def redis_conn(request):
     return connect
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """SIGINT and SIGTERM handled as before each test: an RQ worker run in this process
+    (``work(burst=True)``) installs its own, which only ask that worker to stop, so a
+    Ctrl-C or a ``timeout`` would no longer stop pytest."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache_dir(tmp_path_factory):
     """Generated test models go to a per-session folder (worker subprocesses inherit it)."""
