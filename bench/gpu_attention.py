@@ -149,8 +149,10 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool
         seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
 
 
-# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages)
-SM90_VARIANTS = ((2, 2), (2, 1), (1, 2))
+# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, keys a step).
+# One warpgroup's 32-key tiles (97 KB) let two blocks share a multiprocessor with two
+# stages each; none of the 32-key builds has run on a GPU yet.
+SM90_VARIANTS = ((2, 2, 64), (2, 1, 64), (1, 2, 64), (1, 1, 64), (1, 2, 32), (2, 2, 32))
 
 
 def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
@@ -168,17 +170,19 @@ def _sweep_at(rec: Recorder, L: int, variants) -> None:
     params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
     scale = mx.array([D ** -0.5], dtype=mx.float32)
 
-    def run(wg: int, stages: int) -> mx.array:
+    def run(wg: int, stages: int, block_n: int) -> mx.array:
         return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
-                           [q.shape], [q.dtype], warpgroups=wg, stages=stages)[0]
+                           [q.shape], [q.dtype], block_n=block_n, warpgroups=wg,
+                           stages=stages)[0]
 
-    base = run(sm90.WARPGROUPS, sm90.STAGES).astype(mx.float32)
-    for wg, stages in variants:
-        s = _seconds(lambda w=wg, st=stages: run(w, st), MICRO["repeats"])
-        diff = float(mx.abs(run(wg, stages).astype(mx.float32) - base).max()
+    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.BLOCK_N).astype(mx.float32)
+    for wg, stages, block_n in variants:
+        s = _seconds(lambda w=wg, st=stages, n=block_n: run(w, st, n), MICRO["repeats"])
+        diff = float(mx.abs(run(wg, stages, block_n).astype(mx.float32) - base).max()
                      / mx.abs(base).max())
         rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
-            stages=stages, queries=L, seconds=round(s, 5), diff_from_default=diff)
+            stages=stages, block_n=block_n, queries=L, seconds=round(s, 5),
+            diff_from_default=diff)
 
 
 # Gemma 3's chunk shapes (H, KVH, L, position, window) at which `sweep_plan` times the

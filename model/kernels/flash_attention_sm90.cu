@@ -12,8 +12,8 @@
 // flash_attention.cu), and with PREFILLQ_PACKED the block table int32 (blocks, 3). Outputs:
 // out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
 // float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
-// Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64),
-// WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
+// Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64, or 32
+// for smaller K/V tiles), WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
 //
 // Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
 // "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
@@ -33,7 +33,7 @@ constexpr int N_TILES = BLOCK_N / 8;         // S fragments of 8 keys
 constexpr int D_TILES = D / 8;               // O fragments of 8 dims
 constexpr int Q_BYTES = BLOCK_M * D * 2, KV_BYTES = BLOCK_N * D * 2;
 constexpr float LOG2E = 1.4426950408889634f;
-static_assert(BLOCK_N == 64, "S's wgmma is m64n64k16: 8 fragments of 8 keys");
+static_assert(BLOCK_N == 64 || BLOCK_N == 32, "S's wgmma is m64n64k16 or m64n32k16");
 static_assert(D % 64 == 0 && D <= 256, "O += P V covers up to four 64-dim regions");
 static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
@@ -90,21 +90,40 @@ __device__ __forceinline__ void fence_registers(uint32_t (&x)[TILES][4]) {
   "+f"(a[base + 6][0]), "+f"(a[base + 6][1]), "+f"(a[base + 6][2]), "+f"(a[base + 6][3]), \
   "+f"(a[base + 7][0]), "+f"(a[base + 7][1]), "+f"(a[base + 7][2]), "+f"(a[base + 7][3])
 
+#define PREFILLQ_ACC16(a)                                                                \
+  "+f"(a[0][0]), "+f"(a[0][1]), "+f"(a[0][2]), "+f"(a[0][3]),                             \
+  "+f"(a[1][0]), "+f"(a[1][1]), "+f"(a[1][2]), "+f"(a[1][3]),                             \
+  "+f"(a[2][0]), "+f"(a[2][1]), "+f"(a[2][2]), "+f"(a[2][3]),                             \
+  "+f"(a[3][0]), "+f"(a[3][1]), "+f"(a[3][2]), "+f"(a[3][3])
+
 #define PREFILLQ_D32                                                                     \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define PREFILLQ_D16                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 
-// D (64 x 64, fp32, fragments base..base+7 of `d`) (+)= A B with A and B in shared memory,
-// both K-major (S = Q K^T); `accumulate` 0 overwrites D.
+// D (64 x 8 TILES, fp32: TILES fragments of 8 keys) (+)= A B with A and B in shared memory,
+// both K-major (S = Q K^T: m64n64k16, or m64n32k16 for 32-key steps); `accumulate` 0
+// overwrites D.
 template <int TILES>
 __device__ __forceinline__ void wgmma_ss(float (&d)[TILES][4], uint64_t a, uint64_t b,
                                          int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : PREFILLQ_ACC32(d, 0)
-      : "l"(a), "l"(b), "r"(accumulate));
+  static_assert(TILES == 8 || TILES == 4, "n = 64 or 32");
+  if constexpr (TILES == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
+        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : PREFILLQ_ACC32(d, 0)
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " PREFILLQ_D16
+        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : PREFILLQ_ACC16(d)
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
 }
 
 // D (64 x 64 fp32: fragments BASE..BASE+7 of `d`) += A B with A (64 x 16 bf16) from

@@ -29,7 +29,8 @@ PRELUDE = ("typedef unsigned short uint16_t;\ntypedef unsigned int uint32_t;\n"
            "typedef unsigned long long uint64_t;\n")
 ENV = "PREFILLQ_HOPPER_ATTENTION"
 ARCH = "sm_90a"
-BLOCK_N = 64          # keys a step: the n of S's wgmma (m64n64k16)
+BLOCK_N = 64          # keys a step: the n of S's wgmma (m64n64k16); 32 builds too
+                      # (m64n32k16: half the K/V tiles, for `bench.gpu_attention --sweep`)
 WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup (`flash_attention.sm90_plan`
                       # takes one for some grids)
 STAGES = 2            # K/V buffers: the next tile loads while this one is used

@@ -5,6 +5,7 @@ checked on the GPU: `python -m bench.gpu_attention --check`."""
 
 from __future__ import annotations
 
+import collections
 import re
 import shutil
 import subprocess
@@ -29,11 +30,12 @@ def _nvrtc_or_skip():
         pytest.skip(str(e))
 
 
+@pytest.mark.parametrize("block_n", [64, 32])
 @pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
-def test_every_variant_compiles_for_sm_90a(variant, warpgroups):
+def test_every_variant_compiles_for_sm_90a(variant, warpgroups, block_n):
     _nvrtc_or_skip()
-    build = (256, variant, sm90.BLOCK_N, warpgroups, sm90.STAGES)
+    build = (256, variant, block_n, warpgroups, sm90.STAGES)
     cubin = sm90._cubin(*build)
     assert cubin[:4] == b"\x7fELF"
     assert sm90.kernel_name(*build).encode() in cubin   # extern "C": MLX looks it up by name
@@ -49,18 +51,24 @@ def _nvdisasm() -> str:
     return path
 
 
+@pytest.mark.parametrize("block_n, hgmma", [
+    (64, {"64x64x16": 16 + 16}),                  # S and O += P V both n = 64
+    (32, {"64x32x16": 16, "64x64x16": 4 * 2}),    # S n = 32; P V 4 regions x 2 k-steps
+])
 @pytest.mark.parametrize("warpgroups", [1, 2])   # both of the plan's blocks
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
-def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, tmp_path):
-    # a step's S = Q K^T is D / 16 = 16 wgmma.m64n64k16 and its O += P V 4 regions x 4
-    # k-steps: 32 HGMMA in the loop's one copy; and no register spills (local memory
-    # loads/stores), which would cost every step
+def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, block_n, hgmma,
+                                                          tmp_path):
+    # a step's S = Q K^T is D / 16 = 16 wgmma (n = the step's keys) and its O += P V 4
+    # regions x block_n / 16 k-steps of m64n64k16, each once in the loop's one copy; and
+    # no register spills (local memory loads/stores), which would cost every step
     _nvrtc_or_skip()
     cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(sm90._cubin(256, variant, sm90.BLOCK_N, warpgroups, sm90.STAGES))
+    cubin.write_bytes(sm90._cubin(256, variant, block_n, warpgroups, sm90.STAGES))
     sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
-    assert sass.count("HGMMA.64x64x16.F32.BF16") == 32
+    found = dict(collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32\.BF16", sass)))
+    assert found == hgmma
     assert not re.search(r"\b(STL|LDL)\b", sass)
 
 
@@ -82,6 +90,8 @@ def test_a_compile_error_carries_nvrtc_log():
 
 def test_a_block_fits_a_hopper_multiprocessor():
     assert sm90.shared_bytes(256) <= HOPPER_SHARED_BYTES
+    # one warpgroup's 32-key tiles: two blocks a multiprocessor (228 KB, 1 KB reserved each)
+    assert 2 * (sm90.shared_bytes(256, 32, 1, 2) + 1024) <= 228 * 1024
     # Q (128 rows), two stages of K and V (64 rows each), 256 bf16 wide, and 1 KB of alignment
     assert sm90.shared_bytes(256) == (128 + 4 * 64) * 256 * 2 + 1024
 
