@@ -70,16 +70,6 @@ __device__ __forceinline__ void fence_registers(float (&x)[TILES][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[j][e]) :: "memory");
 }
 
-// The same for the bf16 pairs of an A operand in registers (P), which an asynchronous
-// wgmma reads until it is awaited: they stay live, unmoved, up to this point.
-template <int TILES>
-__device__ __forceinline__ void fence_registers(uint32_t (&x)[TILES][4]) {
-#pragma unroll
-  for (int j = 0; j < TILES; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[j][e]) :: "memory");
-}
-
 #define PREFILLQ_ACC32(a, base)                                                          \
   "+f"(a[base + 0][0]), "+f"(a[base + 0][1]), "+f"(a[base + 0][2]), "+f"(a[base + 0][3]), \
   "+f"(a[base + 1][0]), "+f"(a[base + 1][1]), "+f"(a[base + 1][2]), "+f"(a[base + 1][3]), \
@@ -277,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   };
 
   const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
-  // one product at a time: S, its softmax, then P V
+  // each step: S, its softmax, then P V, while the next step's K and V load
   auto load_kv = [&](int stage, int kb) {   // K and V of a key block, one address each row
 #pragma unroll
     for (int i = 0; i < BLOCK_N / ROWS_PER_PASS; ++i) {

@@ -97,16 +97,18 @@ __device__ __forceinline__ void pv_tiles(float (&o)[O_TILES][4], const float (&p
   }
 }
 
-// One step of the online softmax's statistics (FlashAttention-2, Algorithm 1) for the two
-// rows this thread holds (C fragment rows g and g + 8): `s` holds the step's scores in log2
-// units, NEG_INF where masked; on return it holds P = exp2(s - m_new), the running maxima
-// `m_*` and partial row sums `l_*` (this thread's columns; quad_sum them at the end) are
-// updated, and `alpha_*` = exp2(m_old - m_new) is the factor O's rows take (`rescale_rows`).
-// A row that has seen no key yet keeps m = NEG_INF and P = 0 (never exp2(NEG_INF - NEG_INF)).
-template <int N_TILES>
-__device__ __forceinline__ void softmax_step(float (&s)[N_TILES][4], float& m_lo, float& m_hi,
-                                             float& l_lo, float& l_hi, float& alpha_lo,
-                                             float& alpha_hi) {
+// One step of the online softmax (FlashAttention-2, Algorithm 1) for the two rows this
+// thread holds (C fragment rows g and g + 8): `s` holds the step's scores in log2 units,
+// NEG_INF where masked; on return it holds P = exp2(s - m_new), the running maxima `m_*`
+// and partial row sums `l_*` (this thread's columns; quad_sum them at the end) are
+// updated, and O is rescaled by exp2(m_old - m_new). A row that has seen no key yet keeps
+// m = NEG_INF and P = 0 (never exp2(NEG_INF - NEG_INF)). With SKIP_UNMOVED, a warp whose
+// rows' maxima all stayed skips O's rescale (the factor is exactly 1.0 there, so no bit
+// changes; after the first key blocks most steps skip).
+template <int N_TILES, int O_TILES, bool SKIP_UNMOVED = false>
+__device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o)[O_TILES][4],
+                                               float& m_lo, float& m_hi, float& l_lo,
+                                               float& l_hi) {
   const float NEG_INF = __int_as_float(0xff800000);
   float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
@@ -115,8 +117,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[N_TILES][4], float& m_lo
     mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
   }
   const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
-  alpha_lo = new_lo == NEG_INF ? 1.f : exp2f(m_lo - new_lo);
-  alpha_hi = new_hi == NEG_INF ? 1.f : exp2f(m_hi - new_hi);
+  const float alpha_lo = new_lo == NEG_INF ? 1.f : exp2f(m_lo - new_lo);
+  const float alpha_hi = new_hi == NEG_INF ? 1.f : exp2f(m_hi - new_hi);
   float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
@@ -129,33 +131,16 @@ __device__ __forceinline__ void softmax_step(float (&s)[N_TILES][4], float& m_lo
   }
   l_lo = l_lo * alpha_lo + sum_lo;
   l_hi = l_hi * alpha_hi + sum_hi;
+  const bool moved = !SKIP_UNMOVED || __any_sync(0xffffffff, new_lo != m_lo || new_hi != m_hi);
   m_lo = new_lo;
   m_hi = new_hi;
-}
-
-// O's two rows times their softmax factors (`softmax_step`'s alpha).
-template <int O_TILES>
-__device__ __forceinline__ void rescale_rows(float (&o)[O_TILES][4], float alpha_lo,
-                                             float alpha_hi) {
+  if (moved) {
 #pragma unroll
-  for (int j = 0; j < O_TILES; ++j) {
-    o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
-    o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+    for (int j = 0; j < O_TILES; ++j) {
+      o[j][0] *= alpha_lo; o[j][1] *= alpha_lo;
+      o[j][2] *= alpha_hi; o[j][3] *= alpha_hi;
+    }
   }
-}
-
-// `softmax_step`, then O rescaled. With SKIP_UNMOVED, a warp whose rows' maxima all stayed
-// skips the rescale (the factor is exactly 1.0 there, so no bit changes; after the first
-// key blocks most steps skip).
-template <int N_TILES, int O_TILES, bool SKIP_UNMOVED = false>
-__device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o)[O_TILES][4],
-                                               float& m_lo, float& m_hi, float& l_lo,
-                                               float& l_hi) {
-  const float old_lo = m_lo, old_hi = m_hi;
-  float alpha_lo, alpha_hi;
-  softmax_step(s, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-  if (!SKIP_UNMOVED || __any_sync(0xffffffff, m_lo != old_lo || m_hi != old_hi))
-    rescale_rows(o, alpha_lo, alpha_hi);
 }
 
 // The keys a block of queries may see: its rows [row0, row0 + block_m) of L at positions
