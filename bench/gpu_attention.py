@@ -21,6 +21,7 @@ from model.kernels.flash_attention import (
     SM90_BLOCK_N,
     SM90_WARPS,
     available,
+    block_keys,
     flash_attention,
     grid_plan,
     packed_flash_attention,
@@ -211,15 +212,14 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
                    window: int | None) -> None:
     q, k, v = _inputs(H, KVH, L, position, window)
     N = k.shape[2]
-    visible = min(N, window + 128) if window else N
     shape = {"heads": H, "kv_heads": KVH, "queries": L, "position": position, "window": window}
     times = {}
-    for grid in swept_grids(L, visible):
+    for grid in swept_grids(L, N, window):
         times[grid] = _seconds(lambda g=grid: _sm90_grid(q, k, v, position, window, g), 10)
         rec("sm90_grid_us", times[grid] * 1e6, "us", **shape, q_blocks=grid[0],
             splits=grid[1], warpgroups=grid[2] // 4)
     chosen = tuple(plan(1, H, L, N, window, hopper=True))
-    earlier = tuple(grid_plan(1, H, L, N, window, SM90_BLOCK_N, 8, sm90.MULTIPROCESSORS))
+    earlier = earlier_plan(H, L, N, window)
     fastest = min(times, key=times.get)
     for name, than in (("earlier", earlier), ("fastest", fastest)):
         if chosen in times and than in times:
@@ -227,13 +227,20 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
                 plan=list(chosen), **{name: list(than)})
 
 
-def swept_grids(L: int, visible: int) -> list[tuple[int, int, int]]:
-    """The grids ``(q_blocks, splits, warps)`` `sweep_plan` times for `L` queries whose
-    blocks see up to `visible` keys: two or one warpgroups, 1-8 splits of at least
-    `MIN_KEY_BLOCKS_PER_SPLIT` key blocks."""
+def swept_grids(L: int, N: int, window: int | None) -> list[tuple[int, int, int]]:
+    """The grids ``(q_blocks, splits, warps)`` `sweep_plan` times for `L` queries over `N`
+    keys: two or one warpgroups, 1-8 splits of at least `MIN_KEY_BLOCKS_PER_SPLIT` of the
+    key blocks a two-warpgroup block sees."""
+    visible = block_keys(N, window, 128)
     return [(-(-L // (64 * wg)), splits, 4 * wg) for wg in (2, 1)
             for splits in (1, 2, 3, 4, 6, 8)
             if splits == 1 or visible // SM90_BLOCK_N // splits >= MIN_KEY_BLOCKS_PER_SPLIT]
+
+
+def earlier_plan(H: int, L: int, N: int, window: int | None) -> tuple[int, int, int]:
+    """The sm_90a grid before `sm90_plan`: two warpgroups, keys split until the grid
+    reaches one block per multiprocessor (`grid_plan` at the sm_90a block)."""
+    return tuple(grid_plan(1, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.MULTIPROCESSORS))
 
 
 def _sm90_grid(q, k, v, position: int, window: int | None, grid) -> mx.array:

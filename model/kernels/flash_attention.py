@@ -116,13 +116,19 @@ def splits_for(q_blocks: int, key_blocks: int, target: int = TARGET_BLOCKS) -> i
     return max(1, min(want, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
 
 
+def block_keys(N: int, window: int | None, rows: int) -> int:
+    """Keys a block of `rows` consecutive queries may see among `N`: every one, or under a
+    sliding `window` at most ``window + rows``."""
+    return min(N, window + rows) if window else N
+
+
 def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int = DEFAULT_BLOCK_N,
               warps: int = DEFAULT_WARPS, target: int = TARGET_BLOCKS) -> GridPlan:
     """The mma.sync kernel's grid for `L` queries of `H` heads (batch `B`) over `N` keys: a
     block sees at most ``window + rows`` keys; splits reach `target` blocks (`splits_for`)."""
     rows = ROWS_PER_WARP * warps
     q_blocks = -(-L // rows)
-    visible = min(N, window + rows) if window else N
+    visible = block_keys(N, window, rows)
     return GridPlan(q_blocks, splits_for(q_blocks * H * B, -(-visible // block_n), target),
                     warps)
 
@@ -143,7 +149,7 @@ def sm90_plan(B: int, H: int, L: int, N: int, window: int | None) -> GridPlan:
     path".
     """
     sms = sm90.MULTIPROCESSORS
-    visible = min(N, window + 64 * sm90.WARPGROUPS) if window else N
+    visible = block_keys(N, window, 64 * sm90.WARPGROUPS)
     q_blocks = -(-L // (64 * sm90.WARPGROUPS))
     grid = q_blocks * H * B
     if 2 * grid >= sms:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_attention import PLAN_SHAPES, swept_grids
+from bench.gpu_attention import PLAN_SHAPES, earlier_plan, swept_grids
 from model.kernels import flash_attention as fa
 
 
@@ -10,7 +10,12 @@ def test_the_plan_sweep_times_every_grid_the_sm90_plan_and_the_earlier_plan_choo
     # otherwise its plan-over-earlier and plan-over-fastest records would be left out
     for H, _, L, position, window in PLAN_SHAPES:
         n_keys = (min(position, window - 1) if window else position) + L
-        visible = min(n_keys, window + 128) if window else n_keys
-        grids = swept_grids(L, visible)
+        grids = swept_grids(L, n_keys, window)
         assert tuple(fa.plan(1, H, L, n_keys, window, hopper=True)) in grids
-        assert tuple(fa.grid_plan(1, H, L, n_keys, window, fa.SM90_BLOCK_N, 8, 132)) in grids
+        assert earlier_plan(H, L, n_keys, window) in grids
+
+
+def test_the_earlier_plan_split_a_4b_chunk_to_one_block_per_multiprocessor():
+    # 16 query blocks of 128 x 8 heads = 128 blocks: split in 2 to reach 132
+    assert earlier_plan(8, 2048, 8192, None) == (16, 2, 8)
+    assert tuple(fa.plan(1, 8, 2048, 8192, None, hopper=True)) == (16, 1, 8)
