@@ -148,14 +148,14 @@ def sm90_plan(B: int, H: int, L: int, N: int, window: int | None) -> GridPlan:
     bench.gpu_attention --sweep-plan``: docs/benchmarks.md, "The grid plan" under "The Hopper
     path".
     """
-    sms = sm90.MULTIPROCESSORS
-    visible = block_keys(N, window, 64 * sm90.WARPGROUPS)
-    q_blocks = -(-L // (64 * sm90.WARPGROUPS))
+    sms, rows = sm90.MULTIPROCESSORS, ROWS_PER_WARP * SM90_WARPS
+    visible = block_keys(N, window, rows)
+    q_blocks = -(-L // rows)
     grid = q_blocks * H * B
     if 2 * grid >= sms:
         return GridPlan(q_blocks, 1, SM90_WARPS)
     if 4 * grid >= sms and visible <= SM90_ONE_WARPGROUP_MAX_KEYS:
-        return GridPlan(-(-L // 64), 1, 4)
+        return GridPlan(-(-L // 64), 1, 4)   # one warpgroup: 64 queries, 4 warps
     key_blocks = -(-visible // SM90_BLOCK_N)
     splits = max(1, min(sms // grid, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
     return GridPlan(q_blocks, splits, SM90_WARPS)
