@@ -7,9 +7,11 @@ against the unfused MLX path (`check`) and TFLOP/s against MLX and torch SDPA (`
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -43,8 +45,12 @@ from .gpu_peers import attention_plan, attention_ratios, run_all
 # P V, as in FlashAttention-2, and the output once more.
 BF16_TOLERANCE = 2e-2
 
-# The micro-benchmark's shape, which torch SDPA's peer processes are given too.
-MICRO = {"queries": (8192, 32_768), "heads": 4, "kv_heads": 1, "head_dim": 256, "repeats": 5}
+# The micro-benchmark's shape and timing, which torch SDPA's peer processes are given too:
+# the fastest of `repeats` samples, each `batch` calls queued back to back (so the kernels
+# are timed, not the host's launches: at 8K an MLX call's graph and launch cost ~0.2 ms
+# beside the kernel's ~0.4)
+MICRO = {"queries": (8192, 32_768), "heads": 4, "kv_heads": 1, "head_dim": 256, "repeats": 5,
+         "batch": 4}
 
 CHECKS = [  # (H, KVH, L, position, window)
     (4, 1, 1000, 0, None), (4, 1, 2048, 0, None), (4, 1, 2048, 6144, None),
@@ -102,6 +108,8 @@ def _path(warps: int, hopper: bool) -> dict:
 
 
 def _seconds(fn, repeats: int = 5) -> float:
+    """Fastest wall seconds of `repeats` evaluations of `fn()` after a warm-up one, the
+    device synchronized around each (the host's graph building and launch included)."""
     mx.eval(fn())
     best = float("inf")
     for _ in range(repeats):
@@ -113,13 +121,34 @@ def _seconds(fn, repeats: int = 5) -> float:
     return best
 
 
+def _interleaved_seconds(fns: dict, rounds: int = 5, batch: int = 10) -> dict:
+    """Seconds a call of each of `fns` (name -> a function returning an array) takes on the
+    GPU: `batch` calls' graphs built first, then evaluated together (the launches queue
+    behind each other, so the host's building and launching is off the clock), once per
+    round for every function in turn (a clock that drifts over the run touches all alike);
+    the fastest round, over `batch`."""
+    for fn in fns.values():
+        mx.eval(fn())
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            outs = [fn() for _ in range(batch)]
+            mx.synchronize()
+            t0 = time.perf_counter()
+            mx.eval(outs)
+            mx.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / batch)
+    return best
+
+
 def micro(rec: Recorder, peers: Iterable[dict] = (),
           shapes=((32, 4), (64, 4), (64, 8)), hopper: bool = False) -> None:
     """`MICRO` at each of its lengths; `shapes`: the kernel's (block_n, warps) to time;
     `peers`: the records `bench.gpu_peers.run_all` returned, for the ratios over torch.
 
     One global layer's causal attention (`MICRO`: 4 query heads of 256, 1 KV head, 8K and 32K
-    queries), ours and MLX SDPA, fastest of 5 after a warm-up, as TFLOP/s of the causal work
+    queries), ours and MLX SDPA, timed in turn (`_interleaved_seconds` at `MICRO`'s repeats
+    and batch; torch's children time its batches alike), as TFLOP/s of the causal work
     (`bench.common.causal_attention_flops`), each over torch SDPA's best backend at the same
     shape (``over_torch_sdpa``), which torch measures first in processes of its own;
     `hopper`: the sm_90a path too.
@@ -132,34 +161,39 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool
     H, D = MICRO["heads"], MICRO["head_dim"]
     q, k, v = _inputs(H, MICRO["kv_heads"], L, 0, None, D)
     flops = causal_attention_flops(L, H, D)
-    for block_n, warps in shapes:
-        s = _seconds(lambda b=block_n, w=warps: flash_attention(
-            q, k, v, D ** -0.5, 0, None, b, w, hopper=False), MICRO["repeats"])
-        rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
-            block_n=block_n, warps=warps, queries=L, seconds=round(s, 5), path="mma.sync",
-            **attention_ratios(flops / s / 1e12, L, peers))
+    runs = {("mma.sync", b, w): functools.partial(flash_attention, q, k, v, D ** -0.5, 0, None,
+                                                  b, w, hopper=False) for b, w in shapes}
     if hopper:
-        s = _seconds(lambda: flash_attention(q, k, v, D ** -0.5, 0, None, hopper=True),
-                     MICRO["repeats"])
-        rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="prefillq fused",
-            block_n=SM90_BLOCK_N, warps=SM90_WARPS, queries=L, seconds=round(s, 5),
-            path="sm90 wgmma", **attention_ratios(flops / s / 1e12, L, peers))
-    s = _seconds(lambda: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=D ** -0.5, mask="causal"), MICRO["repeats"])
+        runs["sm90 wgmma", SM90_BLOCK_N, SM90_WARPS] = functools.partial(
+            flash_attention, q, k, v, D ** -0.5, 0, None, hopper=True)
+    seconds = _interleaved_seconds(runs, MICRO["repeats"], MICRO["batch"])
+    for (path, block_n, warps), s in seconds.items():
+        tflops = flops / s / 1e12
+        rec("attention_tflops", tflops, "TFLOP/s", impl="prefillq fused", block_n=block_n,
+            warps=warps, queries=L, seconds=round(s, 6), batch=MICRO["batch"], path=path,
+            **attention_ratios(tflops, L, peers))
+    # MLX's unfused path for 256-wide heads writes every score (8 GB at 32K): one call a
+    # sample, its ms dwarfing the launch
+    sdpa = functools.partial(mx.fast.scaled_dot_product_attention, q, k, v, scale=D ** -0.5,
+                             mask="causal")
+    s = _interleaved_seconds({"mlx sdpa": sdpa}, MICRO["repeats"], batch=1)["mlx sdpa"]
     rec("attention_tflops", flops / s / 1e12, "TFLOP/s", impl="mlx sdpa", queries=L,
-        seconds=round(s, 5), **attention_ratios(flops / s / 1e12, L, peers))
+        seconds=round(s, 6), batch=1, **attention_ratios(flops / s / 1e12, L, peers))
 
 
-# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, keys a step).
-# One warpgroup's 32-key tiles (97 KB) let two blocks share a multiprocessor with two
-# stages each; none of the 32-key builds has run on a GPU yet.
-SM90_VARIANTS = ((2, 2, 64), (2, 1, 64), (1, 2, 64), (1, 1, 64), (1, 2, 32), (2, 2, 32))
+# The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, keys a step,
+# ping-pong). One warpgroup's 32-key tiles (97 KB) let two blocks share a multiprocessor
+# with two stages each; two warpgroups may take turns at the tensor cores within a step.
+SM90_VARIANTS = ((2, 2, 64, False), (2, 1, 64, False), (1, 2, 64, False), (1, 1, 64, False),
+                 (1, 2, 32, False), (2, 2, 32, False), (2, 2, 64, True), (2, 1, 64, True),
+                 (2, 2, 32, True))
 
 
 def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
-    """Each of the sm_90a kernel's `variants` at `MICRO`'s shape, unsplit: TFLOP/s, and its
-    output's max |difference| from the default build's over max |default| (the choices move
-    only the schedule, so it should be 0)."""
+    """Each of the sm_90a kernel's `variants` at `MICRO`'s shape, unsplit, timed in turn
+    (`_interleaved_seconds`): TFLOP/s, and its output's max |difference| from the default
+    build's over max |default| (the choices move only the schedule: 0 at 64 keys a step,
+    the online softmax's rounding at 32)."""
     for L in MICRO["queries"]:
         _sweep_at(rec, L, variants)
 
@@ -171,39 +205,45 @@ def _sweep_at(rec: Recorder, L: int, variants) -> None:
     params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
     scale = mx.array([D ** -0.5], dtype=mx.float32)
 
-    def run(wg: int, stages: int, block_n: int) -> mx.array:
+    def run(wg: int, stages: int, block_n: int, pingpong: bool) -> mx.array:
         return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
                            [q.shape], [q.dtype], block_n=block_n, warpgroups=wg,
-                           stages=stages)[0]
+                           stages=stages, pingpong=pingpong)[0]
 
-    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.BLOCK_N).astype(mx.float32)
-    for wg, stages, block_n in variants:
-        s = _seconds(lambda w=wg, st=stages, n=block_n: run(w, st, n), MICRO["repeats"])
-        diff = float(mx.abs(run(wg, stages, block_n).astype(mx.float32) - base).max()
-                     / mx.abs(base).max())
+    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.BLOCK_N, sm90.PINGPONG).astype(mx.float32)
+    seconds = _interleaved_seconds({b: functools.partial(run, *b) for b in variants},
+                                   MICRO["repeats"], MICRO["batch"])
+    for build, s in seconds.items():
+        diff = float(mx.abs(run(*build).astype(mx.float32) - base).max() / mx.abs(base).max())
+        wg, stages, block_n, pingpong = build
         rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
-            stages=stages, block_n=block_n, queries=L, seconds=round(s, 5),
-            diff_from_default=diff)
+            stages=stages, block_n=block_n, pingpong=pingpong, queries=L,
+            seconds=round(s, 6), diff_from_default=diff)
 
 
 # Gemma 3's chunk shapes (H, KVH, L, position, window) at which `sweep_plan` times the
 # sm_90a grids: 4B's 8 heads over 4 (global, and its 1,024 window), 270M's 4 over 1 (global,
-# and its 512 window), 2,048- and 8,192-token chunks, and one 32K pass.
+# and its 512 window), 2,048- and 8,192-token chunks, and one 32K pass; then short chunks
+# after 16K and 64K keys (a prompt's last chunk, a session's turn), grids of 4 to 64 blocks.
 PLAN_SHAPES = (
     [(8, 4, 2048, p, None) for p in (0, 2048, 6144, 14_336, 30_720)]
     + [(8, 4, 2048, 6144, 1024)]
     + [(4, 1, 2048, p, None) for p in (0, 2048, 6144, 14_336, 30_720)]
     + [(4, 1, 2048, 6144, 512), (4, 1, 8192, 0, None), (4, 1, 8192, 24_576, None),
-       (4, 1, 32_768, 0, None)])
+       (4, 1, 32_768, 0, None)]
+    + [(8, 4, L, 16_384, None) for L in (1024, 512, 256)]
+    + [(4, 1, L, 16_384, None) for L in (1024, 512, 64)]
+    + [(8, 4, 512, 65_536, None), (4, 1, 512, 65_536, None), (4, 1, 64, 65_536, None)])
 
 
 def sweep_plan(rec: Recorder, shapes=PLAN_SHAPES) -> None:
-    """The sm_90a kernel at each of `shapes` on every grid of one or two warpgroups and 1-8
-    key splits (`MIN_KEY_BLOCKS_PER_SPLIT` key blocks each or more), fastest of 10 with the
-    splits' combine: ``sm90_grid_us`` each; then per shape the grid `plan` chooses against
-    the earlier plan's (two warpgroups, splits up to one block per multiprocessor) and the
-    fastest: ``sm90_plan_over_earlier``, ``sm90_plan_over_fastest`` (time ratios, > 1 when
-    the plan is faster)."""
+    """The sm_90a kernel at each of `shapes` on every grid `swept_grids` lists, the splits'
+    combine included, timed in turn (`_interleaved_seconds`): ``sm90_grid_us`` each, with
+    its output's max |difference| from the plan's over max |plan's| (only the schedule
+    differs); then per shape the grid `plan` chooses against the earlier plan's (two
+    warpgroups, splits up to one block per multiprocessor) and the fastest:
+    ``sm90_plan_over_earlier``, ``sm90_plan_over_fastest`` (time ratios, > 1 when the plan
+    is faster)."""
     for shape in shapes:
         _sweep_plan_at(rec, *shape)
 
@@ -213,13 +253,17 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
     q, k, v = _inputs(H, KVH, L, position, window)
     N = k.shape[2]
     shape = {"heads": H, "kv_heads": KVH, "queries": L, "position": position, "window": window}
-    times = {}
-    for grid in swept_grids(L, N, window):
-        times[grid] = _seconds(lambda g=grid: _sm90_grid(q, k, v, position, window, g), 10)
-        rec("sm90_grid_us", times[grid] * 1e6, "us", **shape, q_blocks=grid[0],
-            splits=grid[1], warpgroups=grid[2] // 4)
-    chosen = tuple(plan(1, H, L, N, window, hopper=True))
-    earlier = earlier_plan(H, L, N, window)
+    chosen = SweptGrid(*plan(1, H, L, N, window, hopper=True))
+    base = _sm90_grid(q, k, v, position, window, chosen).astype(mx.float32)
+    times = _interleaved_seconds({g: functools.partial(_sm90_grid, q, k, v, position, window, g)
+                                  for g in swept_grids(H, L, N, window)})
+    for grid, seconds in times.items():
+        out = _sm90_grid(q, k, v, position, window, grid).astype(mx.float32)
+        rec("sm90_grid_us", seconds * 1e6, "us", **shape, q_blocks=grid.q_blocks,
+            splits=grid.splits, warpgroups=grid.warps // 4, block_n=grid.block_n,
+            pingpong=grid.pingpong,
+            diff_from_plan=float(mx.abs(out - base).max() / mx.abs(base).max()))
+    earlier = SweptGrid(*earlier_plan(H, L, N, window))
     fastest = min(times, key=times.get)
     for name, than in (("earlier", earlier), ("fastest", fastest)):
         if chosen in times and than in times:
@@ -227,14 +271,32 @@ def _sweep_plan_at(rec: Recorder, H: int, KVH: int, L: int, position: int,
                 plan=list(chosen), **{name: list(than)})
 
 
-def swept_grids(L: int, N: int, window: int | None) -> list[tuple[int, int, int]]:
-    """The grids ``(q_blocks, splits, warps)`` `sweep_plan` times for `L` queries over `N`
-    keys: two or one warpgroups, 1-8 splits of at least `MIN_KEY_BLOCKS_PER_SPLIT` of the
-    key blocks a two-warpgroup block sees."""
+class SweptGrid(NamedTuple):
+    """A grid `sweep_plan` times: `flash_attention.GridPlan`'s three, and the build."""
+
+    q_blocks: int
+    splits: int
+    warps: int
+    block_n: int = SM90_BLOCK_N
+    pingpong: bool = sm90.PINGPONG
+
+
+def swept_grids(H: int, L: int, N: int, window: int | None) -> list[SweptGrid]:
+    """The grids `sweep_plan` times for `L` queries of `H` heads over `N` keys: two or one
+    warpgroups, 1-8 splits of at least `MIN_KEY_BLOCKS_PER_SPLIT` of the key blocks a
+    two-warpgroup block sees and the splits `plan` and `earlier_plan` take, 64 keys a
+    step; with the fewest two splits also one warpgroup's 32-key steps (two blocks a
+    multiprocessor with two K/V stages each) and two warpgroups taking turns or not."""
     visible = block_keys(N, window, 128)
-    return [(-(-L // (64 * wg)), splits, 4 * wg) for wg in (2, 1)
-            for splits in (1, 2, 3, 4, 6, 8)
-            if splits == 1 or visible // SM90_BLOCK_N // splits >= MIN_KEY_BLOCKS_PER_SPLIT]
+    planned = {fa.sm90_plan(1, H, L, N, window).splits, earlier_plan(H, L, N, window)[1]}
+    splits = sorted({s for s in (1, 2, 3, 4, 5, 6, 8)
+                     if s == 1 or visible // SM90_BLOCK_N // s >= MIN_KEY_BLOCKS_PER_SPLIT}
+                    | planned)
+    two, one = -(-L // 128), -(-L // 64)
+    return ([SweptGrid(q_blocks, s, warps) for q_blocks, warps in ((two, 8), (one, 4))
+             for s in splits]
+            + [SweptGrid(one, s, 4, block_n=32) for s in splits[:2]]
+            + [SweptGrid(two, s, 8, pingpong=not sm90.PINGPONG) for s in splits[:2]])
 
 
 def earlier_plan(H: int, L: int, N: int, window: int | None) -> tuple[int, int, int]:
@@ -243,9 +305,11 @@ def earlier_plan(H: int, L: int, N: int, window: int | None) -> tuple[int, int, 
     return tuple(grid_plan(1, H, L, N, window, SM90_BLOCK_N, SM90_WARPS, sm90.MULTIPROCESSORS))
 
 
-def _sm90_grid(q, k, v, position: int, window: int | None, grid) -> mx.array:
-    """`flash_attention`'s sm_90a launch on the grid ``(q_blocks, splits, warps)``."""
-    with patched(fa, "plan", lambda *args, **kwargs: fa.GridPlan(*grid)):
+def _sm90_grid(q, k, v, position: int, window: int | None, grid: SweptGrid) -> mx.array:
+    """`flash_attention`'s sm_90a launch on `grid`."""
+    launch = functools.partial(sm90.launch, block_n=grid.block_n, pingpong=grid.pingpong)
+    with patched(fa, "plan", lambda *args, **kwargs: fa.GridPlan(*grid[:3])), \
+            patched(sm90, "launch", launch):
         return flash_attention(q, k, v, q.shape[3] ** -0.5, position, window, hopper=True)
 
 

@@ -64,17 +64,19 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def fastest(fn, repeats: int, device: str) -> float:
-    """Fastest wall seconds of `repeats` calls of `fn` after a warm-up one, the device
-    synchronized around each."""
+def fastest(fn, repeats: int, device: str, batch: int = 1) -> float:
+    """Fastest wall seconds a call of `fn` takes, of `repeats` samples after a warm-up call:
+    each sample `batch` calls back to back (the launches queue behind each other on the
+    device) with the device synchronized around them, over `batch`."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         _synchronize(device)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(batch):
+            fn()
         _synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / batch)
     return best
 
 
@@ -92,11 +94,11 @@ def _picked(q, k, v, gqa: bool) -> str | None:
 
 
 def attention_cases(rec, backend: str, queries: list[int], heads: int, kv_heads: int,
-                    head_dim: int, repeats: int, device: str = "cuda") -> None:
+                    head_dim: int, repeats: int, batch: int = 1, device: str = "cuda") -> None:
     """torch SDPA alone under `backend` at each of `queries`, both KV layouts: ``enable_gqa``
     on the KV heads as they are, and the KV heads expanded to every query head (``expanded
-    kv``); ``attention_tflops`` records of the causal work, fastest of `repeats` after a
-    warm-up."""
+    kv``); ``attention_tflops`` records of the causal work, fastest of `repeats` samples of
+    `batch` calls after a warm-up (`fastest`)."""
     import torch
     import torch.nn.functional as F
 
@@ -121,8 +123,8 @@ def attention_cases(rec, backend: str, queries: list[int], heads: int, kv_heads:
             log(f"{TORCH_SDPA}, backend {backend}, {layout}, {L} queries")
             measure(rec, "attention_tflops", "TFLOP/s",
                     causal_attention_flops(L, heads, head_dim) / 1e12,
-                    lambda run=run: fastest(run, repeats, device), impl=TORCH_SDPA,
-                    layout=layout, **shape, **picked)
+                    lambda run=run: fastest(run, repeats, device, batch), impl=TORCH_SDPA,
+                    layout=layout, batch=batch, **shape, **picked)
         _release(device)
 
 
@@ -244,6 +246,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--kv-heads", type=int, default=1)
     a.add_argument("--head-dim", type=int, default=256)
     a.add_argument("--repeats", type=int, default=5)
+    a.add_argument("--batch", type=int, default=1, help="calls per timed sample")
     a.add_argument("queries", type=int, nargs="+")
     h = sub.add_parser("hf", help="HF transformers' model at --shapes, one pass")
     h.add_argument("--attn", choices=sorted(HF_IMPLS), required=True)
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             rec("peer_skipped", 0.0, "none", impl=label, reason="torch sees no CUDA device")
         elif args.what == "attention":
             attention_cases(rec, args.backend, args.queries, args.heads, args.kv_heads,
-                            args.head_dim, args.repeats, args.device)
+                            args.head_dim, args.repeats, args.batch, args.device)
         else:
             hf_cases(rec, args.attn, args.backend, args.shapes, args.lengths, args.repeats,
                      args.device)

@@ -148,10 +148,11 @@ def plan(shapes: dict, cases: Iterable[tuple[int, int]], repeats: int,
 
 def attention_plan(shape: Mapping) -> list[Child]:
     """The children for torch SDPA alone at `shape` (``queries``, ``heads``,
-    ``kv_heads``, ``head_dim``, ``repeats``: `bench.gpu_attention.MICRO`), one a
-    backend."""
+    ``kv_heads``, ``head_dim``, ``repeats``, ``batch``: `bench.gpu_attention.MICRO`), one
+    a backend."""
     args = ["--heads", str(shape["heads"]), "--kv-heads", str(shape["kv_heads"]),
             "--head-dim", str(shape["head_dim"]), "--repeats", str(shape["repeats"]),
+            "--batch", str(shape["batch"]),
             *[str(q) for q in shape["queries"]]]
     return [Child(process_label(TORCH_SDPA, backend), "bench.gpu_peer_torch",
                   ["attention", "--backend", backend, *args])

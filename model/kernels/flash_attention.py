@@ -39,11 +39,11 @@ TARGET_BLOCKS = 264
 MIN_KEY_BLOCKS_PER_SPLIT = 32
 
 # The sm_90a path's block (`model.kernels.flash_attention_sm90`): warpgroups of 64 queries
-# (4 warps' worth of rows each) over `sm90.BLOCK_N` keys a step; its default build, which
-# packed steps and the micro-benchmark's record use (`plan` may take one warpgroup).
+# (4 warps' worth of rows each) over `sm90.BLOCK_N` keys a step; its default build.
 SM90_BLOCK_N, SM90_WARPS = sm90.BLOCK_N, 4 * sm90.WARPGROUPS
-# The sm_90a plan's one-warpgroup blocks serve key ranges up to this long (`sm90_plan`).
-SM90_ONE_WARPGROUP_MAX_KEYS = 8_192
+# The sm_90a plan splits keys only for grids of fewer blocks than this whose blocks see
+# more keys than that (`sm90_plan`).
+SM90_SPLIT_BELOW_BLOCKS, SM90_SPLIT_ABOVE_KEYS = sm90.MULTIPROCESSORS // 4, 32_768
 
 _kernels: dict[tuple[int, int, str, int], object] = {}
 _DEFINES = {ONE: "", SPLIT: "#define PREFILLQ_SPLIT 1\n", PACKED: "#define PREFILLQ_PACKED 1\n"}
@@ -136,28 +136,25 @@ def grid_plan(B: int, H: int, L: int, N: int, window: int | None, block_n: int =
 def sm90_plan(B: int, H: int, L: int, N: int, window: int | None) -> GridPlan:
     """The sm_90a kernel's grid for `L` queries of `H` heads (batch `B`) over `N` keys.
 
-    One block fills a multiprocessor (its shared memory), and a key split costs 0.05-0.1 ms
-    (each split loads the block's Q again and writes fp32 partials, which `_combine` reads):
-    on an H100, at Gemma 3's chunk shapes, more than a second wave of blocks or
-    one-warpgroup blocks' lower rate cost. So, in order:
-    two warpgroups (128 queries a block) and no split when their blocks fill half the
-    multiprocessors; else one warpgroup (64 queries) when twice the blocks do and a block
-    sees at most `SM90_ONE_WARPGROUP_MAX_KEYS` keys; else two warpgroups with as many splits
-    as one wave holds (`MIN_KEY_BLOCKS_PER_SPLIT` or more key blocks each). Measured against
-    the earlier plan (splits up to one block per multiprocessor) by ``python -m
-    bench.gpu_attention --sweep-plan``: docs/benchmarks.md, "The grid plan" under "The Hopper
-    path".
+    Two warpgroups (128 queries a block), and keys split only where the grid has fewer than
+    `SM90_SPLIT_BELOW_BLOCKS` blocks and a block sees more than `SM90_SPLIT_ABOVE_KEYS`
+    keys, then into as many splits as bring the grid to half the multiprocessors,
+    `MIN_KEY_BLOCKS_PER_SPLIT` or more key blocks each. A split loads the block's Q again,
+    writes fp32 partials and adds `_combine`'s pass. On an H100, each kernel timed on the
+    device alone (``python -m bench.gpu_attention --sweep-plan``: docs/benchmarks.md, "The
+    grid plan" under "The Hopper path"): at Gemma 3's chunks (64-256 blocks) and at short
+    chunks after 16K keys (4-64 blocks), two warpgroups unsplit beat every split and every
+    one-warpgroup grid (64 queries, twice the blocks); after 64K keys, grids of 16 and 32
+    blocks ran fastest split to 64 blocks (1.08-1.35x unsplit), and more splits were slower.
     """
     sms, rows = sm90.MULTIPROCESSORS, ROWS_PER_WARP * SM90_WARPS
     visible = block_keys(N, window, rows)
     q_blocks = -(-L // rows)
     grid = q_blocks * H * B
-    if 2 * grid >= sms:
+    if grid >= SM90_SPLIT_BELOW_BLOCKS or visible <= SM90_SPLIT_ABOVE_KEYS:
         return GridPlan(q_blocks, 1, SM90_WARPS)
-    if 4 * grid >= sms and visible <= SM90_ONE_WARPGROUP_MAX_KEYS:
-        return GridPlan(-(-L // 64), 1, 4)   # one warpgroup: 64 queries, 4 warps
     key_blocks = -(-visible // SM90_BLOCK_N)
-    splits = max(1, min(sms // grid, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
+    splits = max(1, min(sms // 2 // grid, key_blocks // MIN_KEY_BLOCKS_PER_SPLIT))
     return GridPlan(q_blocks, splits, SM90_WARPS)
 
 
@@ -193,8 +190,8 @@ def flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         block_n: keys per step (a multiple of 16; the mma.sync path's).
         warps: warps per block, 16 queries each (the mma.sync path's).
         hopper: True for the wgmma path (`model.kernels.flash_attention_sm90`: compute
-            capability 9.0, 128 or 64 queries a block as `sm90_plan` chooses, 64 keys a
-            step), False for mma.sync, None for the wgmma path where
+            capability 9.0, 128 queries a block, 64 keys a step), False for mma.sync,
+            None for the wgmma path where
             `flash_attention_sm90.available` (every H100/H200 unless
             ``$PREFILLQ_HOPPER_ATTENTION=0``).
     Returns:

@@ -13,7 +13,8 @@
 // out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
 // float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
 // Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64, or 32
-// for smaller K/V tiles), WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers).
+// for smaller K/V tiles), WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers),
+// PINGPONG (1: two warpgroups take turns at the tensor cores within a step, below).
 //
 // Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
 // "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
@@ -24,6 +25,9 @@
 
 #ifndef STAGES
 #define STAGES 2
+#endif
+#ifndef PINGPONG
+#define PINGPONG 0
 #endif
 
 constexpr int BLOCK_M = 64 * WARPGROUPS;
@@ -37,6 +41,12 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 32, "S's wgmma is m64n64k16 or m64n32k
 static_assert(D % 64 == 0 && D <= 256, "O += P V covers up to four 64-dim regions");
 static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
+// FlashAttention-3's ping-pong (section 3.1) within a step: the second warpgroup issues its
+// S = Q K^T only once the first has issued its own, so the first's softmax runs while the
+// tensor cores compute the second's S, and the second's softmax while they compute the
+// first's P V (in step, both would issue together and both wait out the softmax)
+constexpr bool TAKE_TURNS = PINGPONG && WARPGROUPS == 2;
+constexpr int TURN_BARRIER = 1;   // named barrier 0 is __syncthreads'
 
 // The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
@@ -288,9 +298,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     if (STAGES > 1 && step + 1 < n_steps) load_kv((step + 1) % STAGES, kb + BLOCK_N);
 
     float s[N_TILES][4];
+    if (TAKE_TURNS && wg == 1)   // the first warpgroup's S goes first
+      asm volatile("bar.sync %0, %1;\n" :: "n"(TURN_BARRIER), "n"(THREADS) : "memory");
     wgmma_fence();
     issue_qk(s, k_tile(stage));
     wgmma_commit();
+    if (TAKE_TURNS && wg == 0)
+      asm volatile("bar.arrive %0, %1;\n" :: "n"(TURN_BARRIER), "n"(THREADS) : "memory");
     wgmma_wait_all();
     fence_registers(s);
     mask_scale(s, kb);

@@ -31,9 +31,11 @@ ENV = "PREFILLQ_HOPPER_ATTENTION"
 ARCH = "sm_90a"
 BLOCK_N = 64          # keys a step: the n of S's wgmma (m64n64k16); 32 builds too
                       # (m64n32k16: half the K/V tiles, for `bench.gpu_attention --sweep`)
-WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup (`flash_attention.sm90_plan`
-                      # takes one for some grids)
+WARPGROUPS = 2        # 128 query rows a block, 64 a warpgroup (one builds too, for
+                      # `bench.gpu_attention`'s sweeps)
 STAGES = 2            # K/V buffers: the next tile loads while this one is used
+PINGPONG = True       # two warpgroups take turns issuing S within a step (the source's
+                      # TAKE_TURNS): 2-5% faster on an H100 (`bench.gpu_attention --sweep`)
 # One block fills a multiprocessor (its shared memory), and an H100 SXM or H200 has 132:
 # `flash_attention.sm90_plan` sizes its grids by them
 MULTIPROCESSORS = 132
@@ -74,19 +76,21 @@ def shared_bytes(head_dim: int, block_n: int = BLOCK_N, warpgroups: int = WARPGR
     return (64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 1024
 
 
-def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int
-                ) -> str:
+def kernel_name(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int,
+                pingpong: bool = PINGPONG) -> str:
     """The ``extern "C"`` name of one compiled variant (MLX caches modules by it, so it
     carries a hash of the source: `model.kernels.source_tag`)."""
     return (f"prefillq_fa_sm90_{TAG}_d{head_dim}_n{block_n}"
-            f"_wg{warpgroups}_s{stages}_{variant}")
+            f"_wg{warpgroups}_s{stages}{'_pp' if pingpong else ''}_{variant}")
 
 
 @cache
-def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int) -> bytes:
-    name = kernel_name(head_dim, variant, block_n, warpgroups, stages)
+def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: int,
+           pingpong: bool = PINGPONG) -> bytes:
+    name = kernel_name(head_dim, variant, block_n, warpgroups, stages, pingpong)
     options = (f"-DKERNEL_NAME={name}", f"-DD={head_dim}", f"-DBLOCK_N={block_n}",
                f"-DWARPGROUPS={warpgroups}", f"-DSTAGES={stages}",
+               f"-DPINGPONG={int(pingpong)}",
                "--use_fast_math", *_DEFINES[variant])
     return compile_cubin(PRELUDE + HEADER + SOURCE, name + ".cu", ARCH, options)
 
@@ -95,7 +99,8 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
            params: mx.array, scale: mx.array, grid_x_blocks: int, splits: int,
            output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
            blocks: mx.array | None = None, block_n: int = BLOCK_N,
-           warpgroups: int = WARPGROUPS, stages: int = STAGES) -> list[mx.array]:
+           warpgroups: int = WARPGROUPS, stages: int = STAGES,
+           pingpong: bool = PINGPONG) -> list[mx.array]:
     """Launch one variant over `grid_x_blocks` query blocks x H heads x (B x `splits`).
 
     Args:
@@ -104,7 +109,8 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
             row-contiguous first where they are not (MLX does it).
         params: int32 ``[position, k_start, window, L, N, splits]``; scale: float32 ``[1]``.
         blocks: the packed variant's int32 ``(blocks, 3)`` table (`query_blocks`).
-        block_n, warpgroups, stages: the build (`BLOCK_N`, `WARPGROUPS`, `STAGES`).
+        block_n, warpgroups, stages, pingpong: the build (`BLOCK_N`, `WARPGROUPS`,
+            `STAGES`, `PINGPONG`).
     Returns:
         The kernel's outputs, as `output_shapes` and `output_dtypes` say.
     """
@@ -112,8 +118,8 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
     threads = 128 * warpgroups
     inputs = [q, keys, values, params, scale] + ([blocks] if blocks is not None else [])
     return mx.fast.precompiled_cuda_kernel(
-        name=kernel_name(D, variant, block_n, warpgroups, stages),
-        compiled_source=_cubin(D, variant, block_n, warpgroups, stages),
+        name=kernel_name(D, variant, block_n, warpgroups, stages, pingpong),
+        compiled_source=_cubin(D, variant, block_n, warpgroups, stages, pingpong),
         inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
         scalars=[H, keys.shape[1], Lq, keys.shape[2]],
         grid=(grid_x_blocks * threads, H, B * splits), threadgroup=(threads, 1, 1),

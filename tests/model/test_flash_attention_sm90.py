@@ -115,24 +115,25 @@ def test_kernel_names_change_with_their_source():
     assert source_tag(sm90.HEADER, sm90.SOURCE + "\n") != source_tag(sm90.HEADER, sm90.SOURCE)
 
 
-def test_the_sm_90a_plan_fills_half_the_multiprocessors_before_it_splits_keys():
-    # (query blocks, splits, warps); 132 multiprocessors, one block each
+def test_the_sm_90a_plan_splits_keys_only_for_few_blocks_over_many_keys():
+    # (query blocks, splits, warps); two warpgroups (128 queries) a block, 132 multiprocessors
     assert sm90.MULTIPROCESSORS == 132
-    # Gemma 3 4B's chunk (8 heads): 128 blocks of two warpgroups, no split, however long
+    assert (fa.SM90_SPLIT_BELOW_BLOCKS, fa.SM90_SPLIT_ABOVE_KEYS) == (33, 32_768)
+    # Gemma 3 4B's chunk (8 heads) and 270M's (4): 128 and 64 blocks, no split however long
     assert fa.plan(1, 8, 2048, 32_768, None, hopper=True) == (16, 1, 8)
     assert fa.plan(1, 8, 2048, 8192, 1024, hopper=True) == (16, 1, 8)
+    assert fa.plan(1, 4, 2048, 131_072, None, hopper=True) == (16, 1, 8)
     assert fa.plan(1, 4, 8192, 8192, None, hopper=True) == (64, 1, 8)
-    # Gemma 3 270M's chunk (4 heads): 64 blocks of two would leave half the SMs idle, so
-    # 128 of one warpgroup while a block sees up to 8,192 keys...
-    assert fa.plan(1, 4, 2048, 8192, None, hopper=True) == (32, 1, 4)
-    assert fa.plan(1, 4, 2048, 8192, 512, hopper=True) == (32, 1, 4)
-    assert fa.plan(1, 1, 8192, 8192, None, hopper=True) == (128, 1, 4)
-    # ... and past that two warpgroups with the splits one wave holds (64 x 2 = 128 <= 132)
-    assert fa.plan(1, 4, 2048, 8193, None, hopper=True) == (16, 2, 8)
-    assert fa.plan(1, 4, 2048, 32_768, None, hopper=True) == (16, 2, 8)
-    # a short chunk: splits up to one wave, each at least MIN_KEY_BLOCKS_PER_SPLIT long
-    assert fa.plan(1, 4, 64, 16_448, None, hopper=True) == (1, 8, 8)
-    assert fa.plan(1, 4, 1, 8192, None, hopper=True) == (1, 4, 8)
-    assert fa.plan(1, 4, 64, 200_000, None, hopper=True) == (1, 33, 8)
+    assert fa.plan(1, 1, 33 * 128, 200_000, None, hopper=True) == (33, 1, 8)
+    # few blocks over up to 32K keys: no split either
+    assert fa.plan(1, 4, 64, 16_448, None, hopper=True) == (1, 1, 8)
+    assert fa.plan(1, 8, 512, 32_768, None, hopper=True) == (4, 1, 8)
+    # few blocks over more: splits up to half the multiprocessors (66 blocks), each at
+    # least MIN_KEY_BLOCKS_PER_SPLIT key blocks long
+    assert fa.plan(1, 8, 512, 32_769, None, hopper=True) == (4, 2, 8)    # 32 blocks x 2
+    assert fa.plan(1, 4, 512, 65_536, None, hopper=True) == (4, 4, 8)    # 16 blocks x 4
+    assert fa.plan(1, 4, 64, 65_600, None, hopper=True) == (1, 16, 8)    # 4 blocks x 16
+    assert fa.plan(1, 1, 1, 32_800, None, hopper=True) == (1, 16, 8)     # 513 key blocks // 32
+    assert fa.plan(1, 4, 64, 16_448, 4096, hopper=True) == (1, 1, 8)     # a window's keys
     # the mma.sync plan is unchanged: 512 blocks already
     assert fa.plan(1, 4, 8192, 8192, None) == (128, 1, 4)
