@@ -72,6 +72,25 @@ def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, b
     assert not re.search(r"\b(STL|LDL)\b", sass)
 
 
+@pytest.mark.parametrize("warpgroups, pingpong, turns", [
+    (2, True, True),     # the default: the second warpgroup waits for the first's S
+    (2, False, False),
+    (1, True, False),    # one warpgroup has no one to take turns with
+])
+def test_two_warpgroups_take_turns_on_a_named_barrier(warpgroups, pingpong, turns, tmp_path):
+    # barrier 1 of both warpgroups' 256 threads: the first arrives once its S is issued, the
+    # second syncs on it before issuing its own (barrier 0 is __syncthreads')
+    _nvrtc_or_skip()
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, warpgroups, sm90.STAGES,
+                                  pingpong))
+    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    named = re.findall(r"BAR\.(SYNC\S*|ARV) 0x1, 0x100\b", sass)
+    assert sorted(set(named)) == (["ARV", "SYNC.DEFER_BLOCKING"] if turns else [])
+    assert sm90.PINGPONG   # on by default since it measured faster (docs/benchmarks.md)
+
+
 def test_the_source_needs_the_architecture_specific_target():
     # wgmma is refused on plain sm_90 (MLX's own JIT target): why the kernel goes through
     # NVRTC for sm_90a at all
