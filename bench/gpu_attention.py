@@ -60,6 +60,7 @@ CHECKS = [  # (H, KVH, L, position, window)
     (4, 1, 64, 16_384, None), (4, 1, 1, 8191, None),  # short chunks, long keys: 8 splits
     (8, 4, 2048, 30_720, None), (8, 4, 2048, 6144, 1024),  # Gemma 3 4B's last chunk of 32K
     (1, 1, 8192, 0, None),  # one head: 3 key splits, the first query blocks' last one empty
+    (4, 1, 64, 40_000, None), (8, 4, 300, 36_000, None),  # splits on the sm_90a path too
 ]
 
 
