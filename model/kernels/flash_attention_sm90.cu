@@ -5,7 +5,7 @@
 // tiles arrive by cp.async, two stages deep, while the consumer warpgroups compute.
 //
 // Compiled by NVRTC for sm_90a (model/kernels/flash_attention_sm90.py; mma.cuh's
-// header-free primitives are prepended) and launched through MLX's
+// header-free primitives and wgmma.cuh's are prepended) and launched through MLX's
 // `mx.fast.precompiled_cuda_kernel`, which passes the inputs, then the outputs, then the
 // scalars. Inputs (row-contiguous): q bf16 (B, H, Lq, D), k and v bf16 (B, KVH, N, D),
 // params int32 [position, k_start, window, L, N, splits] and scale float32 [1] (as
@@ -16,9 +16,7 @@
 // for smaller K/V tiles), WARPGROUPS (64 query rows each), STAGES (1 or 2 K/V buffers),
 // PINGPONG (1: two warpgroups take turns at the tensor cores within a step, below).
 //
-// Shared memory holds every tile in the 128-byte swizzle that wgmma reads (PTX ISA,
-// "Shared Memory Matrix Layout"): a tile of R rows x D columns is D/64 regions of R rows x
-// 128 bytes, 1,024-byte aligned, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+// Shared memory holds every tile in the 128-byte swizzle that wgmma reads (wgmma.cuh).
 // S = Q K^T reads both from shared memory (K-major); O += P V takes P from registers (the
 // accumulator layout of S is the A-fragment layout) and V from shared memory as an MN-major
 // (transposed) operand.
@@ -47,96 +45,6 @@ static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
 // first's P V (in step, both would issue together and both wait out the softmax)
 constexpr bool TAKE_TURNS = PINGPONG && WARPGROUPS == 2;
 constexpr int TURN_BARRIER = 1;   // named barrier 0 is __syncthreads'
-
-// The byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a swizzled tile of R rows.
-__device__ __forceinline__ uint32_t swizzled(int r, int c, int R) {
-  return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-
-// A wgmma shared-memory descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
-// leading and stride byte offsets (16-byte units), 128-byte swizzle.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead >> 4) << 16) |
-         ((uint64_t)(stride >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-// Keep the compiler from moving reads or writes of accumulators across an asynchronous
-// wgmma: each register passes through an empty asm after the wait.
-template <int TILES>
-__device__ __forceinline__ void fence_registers(float (&x)[TILES][4]) {
-#pragma unroll
-  for (int j = 0; j < TILES; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[j][e]) :: "memory");
-}
-
-#define PREFILLQ_ACC32(a, base)                                                          \
-  "+f"(a[base + 0][0]), "+f"(a[base + 0][1]), "+f"(a[base + 0][2]), "+f"(a[base + 0][3]), \
-  "+f"(a[base + 1][0]), "+f"(a[base + 1][1]), "+f"(a[base + 1][2]), "+f"(a[base + 1][3]), \
-  "+f"(a[base + 2][0]), "+f"(a[base + 2][1]), "+f"(a[base + 2][2]), "+f"(a[base + 2][3]), \
-  "+f"(a[base + 3][0]), "+f"(a[base + 3][1]), "+f"(a[base + 3][2]), "+f"(a[base + 3][3]), \
-  "+f"(a[base + 4][0]), "+f"(a[base + 4][1]), "+f"(a[base + 4][2]), "+f"(a[base + 4][3]), \
-  "+f"(a[base + 5][0]), "+f"(a[base + 5][1]), "+f"(a[base + 5][2]), "+f"(a[base + 5][3]), \
-  "+f"(a[base + 6][0]), "+f"(a[base + 6][1]), "+f"(a[base + 6][2]), "+f"(a[base + 6][3]), \
-  "+f"(a[base + 7][0]), "+f"(a[base + 7][1]), "+f"(a[base + 7][2]), "+f"(a[base + 7][3])
-
-#define PREFILLQ_ACC16(a)                                                                \
-  "+f"(a[0][0]), "+f"(a[0][1]), "+f"(a[0][2]), "+f"(a[0][3]),                             \
-  "+f"(a[1][0]), "+f"(a[1][1]), "+f"(a[1][2]), "+f"(a[1][3]),                             \
-  "+f"(a[2][0]), "+f"(a[2][1]), "+f"(a[2][2]), "+f"(a[2][3]),                             \
-  "+f"(a[3][0]), "+f"(a[3][1]), "+f"(a[3][2]), "+f"(a[3][3])
-
-#define PREFILLQ_D32                                                                     \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define PREFILLQ_D16                                                                     \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-
-// D (64 x 8 TILES, fp32: TILES fragments of 8 keys) (+)= A B with A and B in shared memory,
-// both K-major (S = Q K^T: m64n64k16, or m64n32k16 for 32-key steps); `accumulate` 0
-// overwrites D.
-template <int TILES>
-__device__ __forceinline__ void wgmma_ss(float (&d)[TILES][4], uint64_t a, uint64_t b,
-                                         int accumulate) {
-  static_assert(TILES == 8 || TILES == 4, "n = 64 or 32");
-  if constexpr (TILES == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
-        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : PREFILLQ_ACC32(d, 0)
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " PREFILLQ_D16
-        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : PREFILLQ_ACC16(d)
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-}
-
-// D (64 x 64 fp32: fragments BASE..BASE+7 of `d`) += A B with A (64 x 16 bf16) from
-// registers and B from shared memory, MN-major (O += P V, V's rows are keys).
-template <int BASE, int TILES>
-__device__ __forceinline__ void wgmma_rs(float (&d)[TILES][4], uint32_t a0, uint32_t a1,
-                                         uint32_t a2, uint32_t a3, uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PREFILLQ_D32
-      ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
-      : PREFILLQ_ACC32(d, BASE)
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,

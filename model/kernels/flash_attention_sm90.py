@@ -24,6 +24,8 @@ from . import HEADER, ONE, PACKED, SPLIT, source_tag
 from .nvrtc import NvrtcError, compile_cubin
 
 SOURCE = Path(__file__).with_name("flash_attention_sm90.cu").read_text()
+# wgmma's swizzle, descriptors, products and fences: every sm_90a kernel's second header
+WGMMA = Path(__file__).with_name("wgmma.cuh").read_text()
 # NVRTC has no C library headers: the fixed-width types the kernels use
 PRELUDE = ("typedef unsigned short uint16_t;\ntypedef unsigned int uint32_t;\n"
            "typedef unsigned long long uint64_t;\n")
@@ -40,7 +42,7 @@ PINGPONG = True       # two warpgroups take turns issuing S within a step (the s
 # `flash_attention.sm90_plan` sizes its grids by them
 MULTIPROCESSORS = 132
 # the source's hash, in every variant's name (computed once: names are built per launch)
-TAG = source_tag(HEADER, SOURCE)
+TAG = source_tag(HEADER, WGMMA, SOURCE)
 _DEFINES = {ONE: (), SPLIT: ("-DPREFILLQ_SPLIT=1",), PACKED: ("-DPREFILLQ_PACKED=1",)}
 
 
@@ -92,7 +94,7 @@ def _cubin(head_dim: int, variant: str, block_n: int, warpgroups: int, stages: i
                f"-DWARPGROUPS={warpgroups}", f"-DSTAGES={stages}",
                f"-DPINGPONG={int(pingpong)}",
                "--use_fast_math", *_DEFINES[variant])
-    return compile_cubin(PRELUDE + HEADER + SOURCE, name + ".cu", ARCH, options)
+    return compile_cubin(PRELUDE + HEADER + WGMMA + SOURCE, name + ".cu", ARCH, options)
 
 
 def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,

@@ -96,7 +96,8 @@ def test_the_source_needs_the_architecture_specific_target():
     # NVRTC for sm_90a at all
     _nvrtc_or_skip()
     with pytest.raises(NvrtcError, match="wgmma"):
-        compile_cubin(sm90.PRELUDE + sm90.HEADER + sm90.SOURCE, "plain.cu", "sm_90",
+        compile_cubin(sm90.PRELUDE + sm90.HEADER + sm90.WGMMA + sm90.SOURCE, "plain.cu",
+                      "sm_90",
                       ("-DKERNEL_NAME=plain", "-DD=256", "-DBLOCK_N=64", "-DWARPGROUPS=2"))
 
 
@@ -130,8 +131,9 @@ def test_kernel_names_change_with_their_source():
     from model.kernels import source_tag
 
     name = sm90.kernel_name(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
-    assert source_tag(sm90.HEADER, sm90.SOURCE) in name
-    assert source_tag(sm90.HEADER, sm90.SOURCE + "\n") != source_tag(sm90.HEADER, sm90.SOURCE)
+    assert source_tag(sm90.HEADER, sm90.WGMMA, sm90.SOURCE) in name
+    assert (source_tag(sm90.HEADER, sm90.WGMMA + "\n", sm90.SOURCE)
+            != source_tag(sm90.HEADER, sm90.WGMMA, sm90.SOURCE))
 
 
 def test_the_sm_90a_plan_splits_keys_only_for_few_blocks_over_many_keys():
