@@ -166,23 +166,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
       }
     }
   };
-  // P (in S's registers) as the A operand's bf16 pairs
-  auto pack = [&](const float (&s)[N_TILES][4], uint32_t (&pa)[N_TILES / 2][4]) {
-#pragma unroll
-    for (int i = 0; i < N_TILES / 2; ++i) {
-      pa[i][0] = pack_bf16(s[2 * i][0], s[2 * i][1]);
-      pa[i][1] = pack_bf16(s[2 * i][2], s[2 * i][3]);
-      pa[i][2] = pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]);
-      pa[i][3] = pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3]);
-    }
-  };
-  // every thread's copies are in, through the async proxy wgmma reads by, and every
-  // warpgroup is past the previous step
-  auto tiles_ready = [&]() {
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-  };
 
   const int n_steps = lo_block < hi_block ? (hi_block - lo_block + BLOCK_N - 1) / BLOCK_N : 0;
   // each step: S, its softmax, then P V, while the next step's K and V load
@@ -202,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   if (n_steps > 0) load_kv(0, lo_block);
   for (int step = 0; step < n_steps; ++step) {
     const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
-    tiles_ready();   // this step's tiles (and Q); the next load while this step computes
+    async_tiles_ready();   // this step's tiles (and Q); the next load while this step computes
     if (STAGES > 1 && step + 1 < n_steps) load_kv((step + 1) % STAGES, kb + BLOCK_N);
 
     float s[N_TILES][4];
@@ -221,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     // (P is packed to bf16 before the fence: registers written between a warpgroup's
     // wgmmas make the compiler insert waits)
     uint32_t pa[N_TILES / 2][4];
-    pack(s, pa);
+    pack_a_operand(s, pa);
     fence_registers(o);   // O's rescale by the softmax happens here, before the fence
     wgmma_fence();
     issue_pv(pa, v_tile(stage));

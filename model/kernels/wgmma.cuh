@@ -99,3 +99,25 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[TILES][4], uint32_t a0, uint
       : PREFILLQ_ACC32(d, BASE)
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 }
+
+// P (S's accumulator fragments, fp32) as the bf16 pairs of O += P V's A operand from
+// registers: its k-step of 16 keys i is fragments 2i and 2i + 1.
+template <int N_TILES>
+__device__ __forceinline__ void pack_a_operand(const float (&s)[N_TILES][4],
+                                               uint32_t (&pa)[N_TILES / 2][4]) {
+#pragma unroll
+  for (int i = 0; i < N_TILES / 2; ++i) {
+    pa[i][0] = pack_bf16(s[2 * i][0], s[2 * i][1]);
+    pa[i][1] = pack_bf16(s[2 * i][2], s[2 * i][3]);
+    pa[i][2] = pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]);
+    pa[i][3] = pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3]);
+  }
+}
+
+// Every thread's cp.async copies are in, made visible to the async proxy wgmma reads
+// shared memory by, and every thread of the block is past the previous step.
+__device__ __forceinline__ void async_tiles_ready() {
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+}
