@@ -13,6 +13,7 @@ from model.archs import deepseek4
 from model.archs.deepseek4 import layers as ds_layers
 from model.archs.deepseek4 import model as ds_model
 from model.archs.deepseek4.sparse import gathered_attention
+from model.kernels import flash_attention_sm90 as sm90
 from model.kernels import sparse_attention as sa
 
 from .common import Recorder, interleaved, log, patched
@@ -45,14 +46,22 @@ def check_sparse_kernel(rec: Recorder) -> bool:
     """The kernel against `gathered_attention` (float32 on the same bf16 inputs) at
     DeepSeek-V4-Flash's attention shape (64 heads of 512, one KV head), lists of window,
     dense-compressed and top-k shapes with empty slots, a query with no key, random sinks;
-    max |difference| over max |reference| within `BF16_TOLERANCE`.
+    max |difference| over max |reference| within `BF16_TOLERANCE`. On a compute
+    capability 9.0 GPU the sm_90a build too, at both of its step sizes (``path``).
     """
+    paths = [("mma.sync", {})]
+    if sm90.compute_capability() == (9, 0):
+        paths += [("sm90 wgmma", {"hopper": True, "block_n": n}) for n in (64, 32)]
+    return all([_check_sparse_path(rec, path, kwargs) for path, kwargs in paths])
+
+
+def _check_sparse_path(rec: Recorder, path: str, kwargs: dict) -> bool:
     ok = True
     for L, K, N, empty in SPARSE_CHECKS:
         q, kv, idx, sinks = _sparse_inputs(L, K, N, empty)
         if L > 1:
             idx[0] = -1  # query 0 sees no key: zeros
-        ours = sa.sparse_attention(q, kv, idx, sinks, D**-0.5).astype(mx.float32)
+        ours = sa.sparse_attention(q, kv, idx, sinks, D**-0.5, **kwargs).astype(mx.float32)
         ref = gathered_attention(q.astype(mx.float32), kv.astype(mx.float32), idx, sinks,
                                  D**-0.5)
         diff = float(mx.abs(ours - ref).max() / mx.abs(ref).max())
@@ -61,7 +70,8 @@ def check_sparse_kernel(rec: Recorder) -> bool:
             good &= float(mx.abs(ours[0]).max()) == 0.0
         ok &= good
         rec("sparse_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
-            heads=H, head_dim=D, queries=L, slots=K, rows=N, empty_share=empty)
+            heads=H, head_dim=D, queries=L, slots=K, rows=N, empty_share=empty, path=path,
+            block_n=kwargs.get("block_n", sa.DEFAULT_BLOCK_N), holds=good)
     return ok
 
 
@@ -122,8 +132,9 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
           window: int = 128) -> None:
     """One ratio-4 layer's attention, the chunk at `position` (`position + L` tokens in).
 
-    A 2,048-token chunk at 8K (window 128 + top-k 512 per query) three ways: the kernel,
-    `gathered_attention` in MLX ops, and the masked dense MLX attention the model ran before.
+    A 2,048-token chunk at 8K (window 128 + top-k 512 per query): the kernel (on a compute
+    capability 9.0 GPU its sm_90a build too, at both step sizes), `gathered_attention` in
+    MLX ops, and the masked dense MLX attention the model ran before.
     """
     n_rows = (position + L) // 4
     n_prev = window - 1
@@ -140,8 +151,12 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
     mask = mx.array(mask)
     flops = 2 * 2 * H * D * L * (window + topk)
     keys = kv[None, None]
+    hopper = [] if sm90.compute_capability() != (9, 0) else [
+        (f"prefillq fused sm90 wgmma, {n} slots a step", lambda n=n: sa.sparse_attention(
+            q, kv, idx, sinks, D**-0.5, block_n=n, hopper=True)) for n in (64, 32)]
     for impl, fn in (
             ("prefillq fused", lambda: sa.sparse_attention(q, kv, idx, sinks, D**-0.5)),
+            *hopper,
             ("gathered mlx ops", lambda: gathered_attention(q, kv, idx, sinks, D**-0.5)),
             ("mlx sdpa masked dense", lambda: mx.fast.scaled_dot_product_attention(
                 q, keys, keys, scale=D**-0.5, mask=mask, sinks=sinks.astype(q.dtype)))):

@@ -5,50 +5,29 @@ checked on the GPU: `python -m bench.gpu_attention --check`."""
 
 from __future__ import annotations
 
-import collections
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from model.kernels import flash_attention as fa
 from model.kernels import flash_attention_sm90 as sm90
-from model.kernels.nvrtc import NvrtcError, compile_cubin, library
+from model.kernels.nvrtc import NvrtcError, compile_cubin
+from tests.model.sass import disassemble, hgmma_shapes, nvrtc_or_skip, spills
 
 # Hopper's largest opt-in dynamic shared memory a block (H100/H200: 227 KB)
 HOPPER_SHARED_BYTES = 227 * 1024
-
-
-def _nvrtc_or_skip():
-    try:
-        library()
-    except NvrtcError as e:  # the test extra installs nvidia-cuda-nvrtc on Linux x86-64
-        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("block_n", [64, 32])
 @pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
 def test_every_variant_compiles_for_sm_90a(variant, warpgroups, block_n):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     build = (256, variant, block_n, warpgroups, sm90.STAGES)
     cubin = sm90._cubin(*build)
     assert cubin[:4] == b"\x7fELF"
     assert sm90.kernel_name(*build).encode() in cubin   # extern "C": MLX looks it up by name
-
-
-def _nvdisasm() -> str:
-    """nvdisasm from the nvidia-cuda-nvdisasm wheel (the test extra) or the PATH."""
-    wheel = Path(sys.prefix) / "lib"
-    found = sorted(wheel.glob("python3*/site-packages/nvidia/cu*/bin/nvdisasm"))
-    path = str(found[0]) if found else shutil.which("nvdisasm")
-    if path is None:
-        pytest.skip("nvdisasm is not installed (the test extra brings it on Linux x86-64)")
-    return path
 
 
 @pytest.mark.parametrize("block_n, hgmma", [
@@ -62,14 +41,10 @@ def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, b
     # a step's S = Q K^T is D / 16 = 16 wgmma (n = the step's keys) and its O += P V 4
     # regions x block_n / 16 k-steps of m64n64k16, each once in the loop's one copy; and
     # no register spills (local memory loads/stores), which would cost every step
-    _nvrtc_or_skip()
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(sm90._cubin(256, variant, block_n, warpgroups, sm90.STAGES))
-    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    found = dict(collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32\.BF16", sass)))
-    assert found == hgmma
-    assert not re.search(r"\b(STL|LDL)\b", sass)
+    nvrtc_or_skip()
+    sass = disassemble(sm90._cubin(256, variant, block_n, warpgroups, sm90.STAGES), tmp_path)
+    assert hgmma_shapes(sass) == hgmma
+    assert not spills(sass)
 
 
 @pytest.mark.parametrize("warpgroups, pingpong, turns", [
@@ -80,12 +55,9 @@ def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, b
 def test_two_warpgroups_take_turns_on_a_named_barrier(warpgroups, pingpong, turns, tmp_path):
     # barrier 1 of both warpgroups' 256 threads: the first arrives once its S is issued, the
     # second syncs on it before issuing its own (barrier 0 is __syncthreads')
-    _nvrtc_or_skip()
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, warpgroups, sm90.STAGES,
-                                  pingpong))
-    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
+    nvrtc_or_skip()
+    sass = disassemble(sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, warpgroups, sm90.STAGES,
+                                   pingpong), tmp_path)
     named = re.findall(r"BAR\.(SYNC\S*|ARV) 0x1, 0x100\b", sass)
     assert sorted(set(named)) == (["ARV", "SYNC.DEFER_BLOCKING"] if turns else [])
     assert sm90.PINGPONG   # on by default since it measured faster (docs/benchmarks.md)
@@ -94,7 +66,7 @@ def test_two_warpgroups_take_turns_on_a_named_barrier(warpgroups, pingpong, turn
 def test_the_source_needs_the_architecture_specific_target():
     # wgmma is refused on plain sm_90 (MLX's own JIT target): why the kernel goes through
     # NVRTC for sm_90a at all
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     with pytest.raises(NvrtcError, match="wgmma"):
         compile_cubin(sm90.PRELUDE + sm90.HEADER + sm90.WGMMA + sm90.SOURCE, "plain.cu",
                       "sm_90",
@@ -102,7 +74,7 @@ def test_the_source_needs_the_architecture_specific_target():
 
 
 def test_a_compile_error_carries_nvrtc_log():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     with pytest.raises(NvrtcError, match=r"(?s)broken.cu does not compile.*is undefined"):
         compile_cubin('extern "C" __global__ void k() { undefined_name(); }', "broken.cu",
                       "sm_90a")
