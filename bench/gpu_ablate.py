@@ -1,6 +1,7 @@
 """Where a Gemma 3 GPU prefill's time goes, by taking parts away (bf16, random weights).
 
-    python -m bench.gpu_ablate [--tokens 8192 32768] [--chunk 2048] [--out FILE]
+    python -m bench.gpu_ablate [--model gemma3-270m|gemma3-4b] [--tokens 8192 32768]
+                               [--chunk 2048] [--variants ...] [--out FILE]
 
 Each of `variants` runs the whole prefill with one part changed, alternating in one process.
 """
@@ -20,7 +21,7 @@ from model.kernels import flash_attention as fa
 from model.start import start_prefill
 
 from .common import Recorder, bench_parser, interleaved, log, patched, refuse_existing
-from .gpu import gemma3_model
+from .gpu import MODELS
 
 REPEATS = 3
 
@@ -58,8 +59,9 @@ def variants(model) -> dict:
       kernel: `model.archs._gemma3_graph`);
     - ``module_forward``: the module-by-module forward, still with the fused kernel;
     - ``unfused``: the module forward with MLX's attention instead of the kernel;
-    - ``no_split``: the kernel without FlashDecoding's key splits;
-    - ``split_min_4``: key splits down to 4 key blocks each (the rule before 32);
+    - ``no_split``: the kernel without FlashDecoding's key splits (either path's plan);
+    - ``split_min_4``: key splits down to 4 key blocks each (the rule before 32). Gemma's
+      chunks never split on the sm_90a path, so on Hopper both equal the baseline;
     - ``no_attention``: the attention returns its queries (projections, norms, RoPE and the
       cache update stay), so the difference is what attention costs;
     - ``pipelined``: every chunk launched before waiting for the previous one (one wait at
@@ -86,6 +88,12 @@ def variants(model) -> dict:
             stack.enter_context(patched(model._graph, "attend", lambda q, *a: q))
         return stack
 
+    def no_split():   # either path's plan (mma.sync; sm_90a)
+        stack = ExitStack()
+        stack.enter_context(patched(fa, "TARGET_BLOCKS", 1))
+        stack.enter_context(patched(fa, "SM90_SPLIT_BELOW_BLOCKS", 0))
+        return stack
+
     module = lambda: patched(gemma3, "graph_applies", lambda m, c: False)  # noqa: E731
     return {
         "baseline": lambda n, c: run(n, c),
@@ -93,7 +101,7 @@ def variants(model) -> dict:
         "unfused": lambda n, c: under(
             lambda: patched(gemma3, "fused_attention_applies", lambda q, k: False),
             under(module, run(n, c))),
-        "no_split": lambda n, c: under(lambda: patched(fa, "TARGET_BLOCKS", 1), run(n, c)),
+        "no_split": lambda n, c: under(no_split, run(n, c)),
         "split_min_4": lambda n, c: under(
             lambda: patched(fa, "MIN_KEY_BLOCKS_PER_SPLIT", 4), run(n, c)),
         "no_attention": lambda n, c: under(no_attention, run(n, c)),
@@ -103,6 +111,8 @@ def variants(model) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("python -m bench.gpu_ablate", __doc__, json_lines=False)
+    p.add_argument("--model", choices=["gemma3-270m", "gemma3-4b"], default="gemma3-270m",
+                   help="the shapes (bench.gpu's MODELS; default %(default)s)")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32_768])
     p.add_argument("--chunk", type=int, nargs="+", default=[2048])
     p.add_argument("--variants", nargs="+", help="run only these (default: all)")
@@ -112,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(True, {"date": datetime.date.today().isoformat(),
                           "device": str(mx.default_device()), "mlx": mx.__version__,
                           "fused_attention": fa.available(), "mlx_env": knobs}, args.out)
-    model = gemma3_model()
+    spec = MODELS[args.model]
+    model = spec.build()
     table = variants(model)
     if args.variants:
         unknown = set(args.variants) - set(table)
@@ -122,18 +133,19 @@ def main(argv: list[str] | None = None) -> int:
                  if name in args.variants or name == "baseline"}
     for n in args.tokens:
         for chunk in args.chunk:
-            log(f"gemma3-270m shapes, {n} tokens in {chunk}-token chunks")
+            log(f"{spec.label}, {n} tokens in {chunk}-token chunks")
             fns = [make(n, chunk) for make in table.values()]
             for fn in fns:
                 fn()  # compile and warm each variant once
             seconds = interleaved(*fns, repeats=REPEATS)
             base = seconds[0]
             for name, s in zip(table, seconds, strict=True):
-                rec("gpu_ablation_tok_s", n / s, "tok/s", variant=name, n_tokens=n,
-                    chunk_tokens=chunk, seconds=round(s, 4), over_baseline=round(base / s, 3))
+                rec("gpu_ablation_tok_s", n / s, "tok/s", variant=name, model=spec.label,
+                    n_tokens=n, chunk_tokens=chunk, seconds=round(s, 4),
+                    over_baseline=round(base / s, 3))
             builds = [_prefill(model, n, chunk)[1] for _ in range(REPEATS)]
-            rec("gpu_build_seconds", min(builds), "s", n_tokens=n, chunk_tokens=chunk,
-                share_of_baseline=round(min(builds) / base, 3))
+            rec("gpu_build_seconds", min(builds), "s", model=spec.label, n_tokens=n,
+                chunk_tokens=chunk, share_of_baseline=round(min(builds) / base, 3))
     return 0
 
 
