@@ -117,13 +117,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   for (int step = 0; step < steps; ++step) {
     const int buf = step % 2;
     async_tiles_ready();   // this tile (and Q); every thread done with the other buffer
-    if (step + 1 < steps) load_tile(buf ^ 1, (step + 1) * BLOCK_N);
     const uint32_t tile = k_smem + buf * KV_BYTES + half_offset;
 
     float s[N_TILES][4];
     wgmma_fence();
     issue_qk(s, tile);
     wgmma_commit();
+    // the next tile's gather while S computes: its row indices are global loads the copies
+    // wait on, which would otherwise sit between the barrier and S
+    if (step + 1 < steps) load_tile(buf ^ 1, (step + 1) * BLOCK_N);
     wgmma_wait_all();
     fence_registers(s);
     // the other half from the other warpgroup: its thread of the same rank holds the same
