@@ -26,28 +26,33 @@ H, D = 64, 512
 # moves the output by O(1) of its scale.
 LAYER_TOLERANCE = 3e-2
 
-SPARSE_CHECKS = [  # (queries, slots per query, rows, share of empty slots)
-    (1, 128, 300, 0.0), (100, 192, 500, 0.3), (2048, 640, 4224, 0.1),
-    (37, 640, 700, 0.9), (5, 33, 40, 0.0),  # a partial last tile
+SPARSE_CHECKS = [  # (queries, slots per query, rows, share of empty slots, heads)
+    (1, 128, 300, 0.0, H), (100, 192, 500, 0.3, H), (2048, 640, 4224, 0.1, H),
+    (37, 640, 700, 0.9, H), (5, 33, 40, 0.0, H),  # a partial last tile
+    (3, 1, 10, 0.0, H), (7, 65, 100, 0.0, H),  # one slot; one past a 64-slot tile
+    (9, 200, 400, 0.0, 2 * H),  # two blocks of 64 heads
 ]
 
 
-def _sparse_inputs(L: int, K: int, N: int, empty: float, seed: int = 0):
+def _sparse_inputs(L: int, K: int, N: int, empty: float, heads: int = H, seed: int = 0):
     rng = np.random.default_rng(seed + L)
-    q = mx.random.normal((1, H, L, D), key=mx.random.key(seed + L)).astype(mx.bfloat16)
+    q = mx.random.normal((1, heads, L, D), key=mx.random.key(seed + L)).astype(mx.bfloat16)
     kv = mx.random.normal((N, D), key=mx.random.key(seed + N)).astype(mx.bfloat16)
     idx = np.stack([rng.choice(N, K, replace=False) for _ in range(L)]).astype(np.int32)
     idx[rng.random(idx.shape) < empty] = -1
-    sinks = mx.array(rng.standard_normal(H), dtype=mx.float32)
+    if L > 1 and K >= 128:
+        idx[1, 64:128] = -1  # query 1: a whole tile of empty slots between full ones
+    sinks = mx.array(rng.standard_normal(heads), dtype=mx.float32)
     return q, kv, mx.array(idx), sinks
 
 
 def check_sparse_kernel(rec: Recorder) -> bool:
     """The kernel against `gathered_attention` (float32 on the same bf16 inputs) at
-    DeepSeek-V4-Flash's attention shape (64 heads of 512, one KV head), lists of window,
-    dense-compressed and top-k shapes with empty slots, a query with no key, random sinks;
-    max |difference| over max |reference| within `BF16_TOLERANCE`. On a compute
-    capability 9.0 GPU the sm_90a build too, at both of its step sizes (``path``).
+    DeepSeek-V4-Flash's attention shape (64 heads of 512, one KV head; one case of 128),
+    lists of window, dense-compressed and top-k shapes with empty slots (a whole empty tile
+    among full ones), one slot, a query with no key, random sinks; max |difference| over max
+    |reference| within `BF16_TOLERANCE`. On a compute capability 9.0 GPU the sm_90a build
+    too, at both of its step sizes (``path``).
     """
     paths = [("mma.sync", {})]
     if sm90.compute_capability() == (9, 0):
@@ -57,8 +62,8 @@ def check_sparse_kernel(rec: Recorder) -> bool:
 
 def _check_sparse_path(rec: Recorder, path: str, kwargs: dict) -> bool:
     ok = True
-    for L, K, N, empty in SPARSE_CHECKS:
-        q, kv, idx, sinks = _sparse_inputs(L, K, N, empty)
+    for L, K, N, empty, heads in SPARSE_CHECKS:
+        q, kv, idx, sinks = _sparse_inputs(L, K, N, empty, heads)
         if L > 1:
             idx[0] = -1  # query 0 sees no key: zeros
         ours = sa.sparse_attention(q, kv, idx, sinks, D**-0.5, **kwargs).astype(mx.float32)
@@ -70,7 +75,7 @@ def _check_sparse_path(rec: Recorder, path: str, kwargs: dict) -> bool:
             good &= float(mx.abs(ours[0]).max()) == 0.0
         ok &= good
         rec("sparse_attention_check", diff, "max|diff|/max|ref|", ceiling=BF16_TOLERANCE,
-            heads=H, head_dim=D, queries=L, slots=K, rows=N, empty_share=empty, path=path,
+            heads=heads, head_dim=D, queries=L, slots=K, rows=N, empty_share=empty, path=path,
             block_n=kwargs.get("block_n", sa.DEFAULT_BLOCK_N), holds=good)
     return ok
 
