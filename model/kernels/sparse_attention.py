@@ -134,12 +134,7 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
         raise ValueError(f"idx must be (L={L}, K) and kv (N, {D}); got idx {idx.shape}, "
                          f"kv {kv.shape}")
     if hopper:
-        return mx.fast.precompiled_cuda_kernel(
-            name=sm90_kernel_name(D, block_n), compiled_source=_sm90_cubin(D, block_n),
-            inputs=[q, kv, idx.astype(mx.int32), sinks.astype(mx.float32), _float32s(scale)],
-            output_shapes=[(L, H, D)], output_dtypes=[q.dtype], scalars=[H, L, idx.shape[1]],
-            grid=(L * SM90_THREADS, H // HEADS_PER_BLOCK, 1), threadgroup=(SM90_THREADS, 1, 1),
-            shared_memory=sm90_shared_bytes(D, block_n), ensure_row_contiguous=True)[0]
+        return _sm90_launch(q, kv, idx, sinks, scale, block_n)
     (out,) = _kernel(D, block_n)(
         inputs=[q, mx.contiguous(kv), mx.contiguous(idx.astype(mx.int32)),
                 sinks.astype(mx.float32), _float32s(scale)],
@@ -147,3 +142,16 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
         grid=(L * 32 * WARPS, H // HEADS_PER_BLOCK, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(L, H, D)], output_dtypes=[q.dtype])
     return out
+
+
+def _sm90_launch(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, scale: float,
+                 block_n: int) -> mx.array:
+    """``sparse_attention_sm90.cu`` over one block per query and 64 heads (inputs checked by
+    `sparse_attention`)."""
+    _, H, L, D = q.shape
+    return mx.fast.precompiled_cuda_kernel(
+        name=sm90_kernel_name(D, block_n), compiled_source=_sm90_cubin(D, block_n),
+        inputs=[q, kv, idx.astype(mx.int32), sinks.astype(mx.float32), _float32s(scale)],
+        output_shapes=[(L, H, D)], output_dtypes=[q.dtype], scalars=[H, L, idx.shape[1]],
+        grid=(L * SM90_THREADS, H // HEADS_PER_BLOCK, 1), threadgroup=(SM90_THREADS, 1, 1),
+        shared_memory=sm90_shared_bytes(D, block_n), ensure_row_contiguous=True)[0]
