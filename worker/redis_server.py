@@ -9,7 +9,9 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,17 @@ def cpu_seconds(conn: redis.Redis) -> float:
     """CPU seconds the server has used since it started, system plus user (``INFO cpu``)."""
     cpu = conn.info("cpu")
     return cpu["used_cpu_sys"] + cpu["used_cpu_user"]
+
+
+def _dies_with_this_process(args: list[str]) -> list[str]:
+    """`args` run under ``setpriv --pdeathsig KILL`` where that applies (Linux, setpriv
+    installed, called from the main thread: the kernel sends the signal when the thread
+    that forked the child exits), else as they are."""
+    setpriv = shutil.which("setpriv")
+    if (sys.platform != "linux" or setpriv is None
+            or threading.current_thread() is not threading.main_thread()):
+        return args
+    return [setpriv, "--pdeathsig", "KILL", *args]
 
 
 class RedisServerError(RuntimeError):
@@ -125,9 +138,15 @@ class RedisServer:
         return args + self.extra
 
     def start(self) -> RedisServer:
-        """Start the server and wait until it answers. Raises RedisServerError."""
-        self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        """Start the server and wait until it answers. Raises RedisServerError.
+
+        On Linux, started from the main thread, the server gets a parent-death signal
+        (SIGKILL, through util-linux's ``setpriv --pdeathsig``), so a test run or benchmark
+        killed before its cleanup runs (SIGTERM, SIGKILL, a timeout) leaves no server behind.
+        The signal follows the thread that started it, hence the main thread only.
+        """
+        self.proc = subprocess.Popen(_dies_with_this_process(self._args()),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
