@@ -22,6 +22,8 @@ from .nvrtc import compile_cubin
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
 SM90_SOURCE = (Path(__file__).with_name("sparse_attention_sm90.cu")).read_text()
+# the sm_90a build's sources' hash, in its name (computed once: names are built per launch)
+SM90_TAG = source_tag(HEADER, sm90.WGMMA, SM90_SOURCE)
 HEAD_DIMS = (512,)
 HEADS_PER_BLOCK = 64  # both kernels' HEADS: the rows of one block's Q tile
 WARPS = 8
@@ -62,8 +64,7 @@ def sm90_shared_bytes(head_dim: int, block_n: int = SM90_BLOCK_N) -> int:
 def sm90_kernel_name(head_dim: int, block_n: int) -> str:
     """The sm_90a build's ``extern "C"`` name, with a hash of its sources (MLX caches
     modules by name)."""
-    tag = source_tag(HEADER, sm90.WGMMA, SM90_SOURCE)
-    return f"prefillq_sparse_sm90_{tag}_d{head_dim}_n{block_n}"
+    return f"prefillq_sparse_sm90_{SM90_TAG}_d{head_dim}_n{block_n}"
 
 
 @cache
