@@ -4,8 +4,9 @@
 fp32 accumulation) over index lists like the reference ``inference/kernel.py``
 ``sparse_attn``'s; `model.archs.deepseek4.sparse.gathered_attention` is its MLX reference.
 ``sparse_attention_sm90.cu`` computes the same with Hopper's warpgroup MMA (sm_90a, through
-NVRTC as `model.kernels.flash_attention_sm90` is built): taken only with ``hopper=True``
-until ``python -m bench.gpu --check`` has run it on a device.
+NVRTC as `model.kernels.flash_attention_sm90` is built), the path taken wherever
+`flash_attention_sm90.available` (a compute capability 9.0 GPU, ``$PREFILLQ_HOPPER_ATTENTION``
+not ``0``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import mlx.core as mx
 
 from . import HEADER, source_tag
 from . import flash_attention_sm90 as sm90
-from .flash_attention import PAD, _float32s, available
+from .flash_attention import PAD, _float32s, _hopper, available
 from .nvrtc import compile_cubin
 
 SOURCE = (Path(__file__).with_name("sparse_attention.cu")).read_text()
@@ -88,7 +89,7 @@ def _kernel(head_dim: int, block_n: int):
 
 
 def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, scale: float,
-                     block_n: int | None = None, hopper: bool = False) -> mx.array:
+                     block_n: int | None = None, hopper: bool | None = None) -> mx.array:
     """Each query's attention over the key rows its index list names, with a sink, fused.
 
     ``out[i, h] = sum_s softmax_s(x_{i,h,s} ; sinks[h]) kv[idx[i, s]]`` with
@@ -112,8 +113,10 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
         scale: the score scale.
         block_n: key slots per step: 16 or 32 (default `DEFAULT_BLOCK_N`), with `hopper`
             64 or 32 (default `SM90_BLOCK_N`).
-        hopper: the sm_90a kernel (``sparse_attention_sm90.cu``: compute capability 9.0;
-            q, kv and idx are copied to row-contiguous first where they are not).
+        hopper: True for the sm_90a kernel (``sparse_attention_sm90.cu``: compute capability
+            9.0; q, kv and idx are copied to row-contiguous first where they are not), False
+            for the mma.sync one, None (default) for the first where
+            `flash_attention_sm90.available`.
     Returns:
         bf16 ``(L, H, D)``, equal to `model.archs.deepseek4.sparse.gathered_attention`
         within bf16 rounding (`bench.gpu_check`). A query with no key gets zeros.
@@ -121,6 +124,7 @@ def sparse_attention(q: mx.array, kv: mx.array, idx: mx.array, sinks: mx.array, 
         ValueError: inputs `supports` refuses, `idx` not ``(L, K)``, or a `block_n` the
             path does not build.
     """
+    hopper = _hopper(hopper)
     sizes = (64, 32) if hopper else (16, 32)
     block_n = block_n or (SM90_BLOCK_N if hopper else DEFAULT_BLOCK_N)
     if block_n not in sizes:
