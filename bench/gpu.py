@@ -239,6 +239,8 @@ def deepseek4_case(rec: Recorder, ceiling: float, n_layers: int, n: int, chunk: 
         tflops=round(flops / seconds / 1e12, 2),
         mfu_vs_mlx_matmul=round(flops / seconds / 1e12 / ceiling, 4),
         mfu_vs_torch_790=round(flops / seconds / 1e12 / TORCH_BF16_CEILING_TFLOPS, 4))
+    del model
+    mx.clear_cache()  # four Flash layers hold ~52 GB: the next case builds its own
 
 
 def model_cases(rec: Recorder, ceiling: float, spec: GpuModel, cases,

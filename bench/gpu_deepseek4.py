@@ -140,9 +140,9 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
 
     A 2,048-token chunk at 8K (window 128 + top-k 512 per query): the kernel (on a compute
     capability 9.0 GPU its sm_90a build too, at both step sizes), `gathered_attention` in
-    MLX ops, and the masked dense MLX attention the model ran before, timed in turn
-    (`bench.gpu_attention._interleaved_seconds`: ten calls a sample, so the host's graph
-    building and launch are off the clock).
+    MLX ops, and the masked dense MLX attention the model ran before. The kernels are timed
+    in turn (`bench.gpu_attention._interleaved_seconds`: ten calls a sample, so the host's
+    graph building and launch are off the clock), the MLX paths a call at a time.
     """
     n_rows = (position + L) // 4
     n_prev = window - 1
@@ -162,15 +162,19 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
     hopper = {} if sm90.compute_capability() != (9, 0) else {
         f"prefillq fused sm90 wgmma, {n} slots a step": lambda n=n: sa.sparse_attention(
             q, kv, idx, sinks, D**-0.5, block_n=n, hopper=True) for n in (64, 32)}
-    runs = {
+    kernels = {
         "prefillq fused": lambda: sa.sparse_attention(q, kv, idx, sinks, D**-0.5, hopper=False),
-        **hopper,
-        "gathered mlx ops": lambda: gathered_attention(q, kv, idx, sinks, D**-0.5),
-        "mlx sdpa masked dense": lambda: mx.fast.scaled_dot_product_attention(
-            q, keys, keys, scale=D**-0.5, mask=mask, sinks=sinks.astype(q.dtype))}
-    for impl, s in _interleaved_seconds(runs).items():
+        **hopper}
+    seconds = _interleaved_seconds(kernels)
+    for impl, fn in (
+            ("gathered mlx ops", lambda: gathered_attention(q, kv, idx, sinks, D**-0.5)),
+            ("mlx sdpa masked dense", lambda: mx.fast.scaled_dot_product_attention(
+                q, keys, keys, scale=D**-0.5, mask=mask, sinks=sinks.astype(q.dtype)))):
+        seconds[impl] = _seconds(fn)  # 13-17 ms each, and ten would hold ~30 GB at once
+    for impl, s in seconds.items():
         rec("deepseek4_attention_seconds", s, "s", impl=impl, queries=L, position=position,
             slots=window + topk, keys=N, tflops_useful=round(flops / s / 1e12, 1))
+    mx.clear_cache()
     log("deepseek4 attention micro-benchmark done")
 
 
