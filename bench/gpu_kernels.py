@@ -3,19 +3,22 @@
     python -m bench.gpu_kernels [--model gemma3-4b] [--layers 6] [--tokens 32768]
                                 [--chunk 2048] [--out FILE]
 
-A child process runs one bf16 prefill (random weights at `bench.gpu.MODELS` shapes, the
-first `--layers` layers: Gemma 3's six keep its five-local-one-global pattern) under
-``ncu --metrics gpu__time_duration.sum`` (each kernel's own duration; caches and clocks
-left alone), and this process sums the durations by kernel and by kind (`kernel_kind`).
-Another child times the same prefill unprofiled (fastest of 3 after a warm-up): the device
-time over that wall time is how busy the GPU was, the rest the host's building and
-launching. Needs ``ncu`` on the PATH (the lent GPUs have it; docs/benchmarks.md).
+A child process builds the model (random bf16 weights at `bench.gpu.MODELS` shapes, the
+first `--layers` layers: Gemma 3's six keep its five-local-one-global pattern), runs a
+warm-up prefill, and runs one more between ``cuProfilerStart`` and ``cuProfilerStop`` under
+``ncu --profile-from-start off --metrics gpu__time_duration.sum`` (each kernel's own
+duration; caches and clocks left alone); this process sums the durations by kernel and by
+kind (`kernel_kind`). ncu runs kernels one at a time, so their sum can exceed the
+unprofiled prefill's wall time (another child, fastest of 3 after a warm-up) where MLX's
+CUDA graphs run independent kernels side by side: shares are of the summed kernel time.
+Needs ``ncu`` on the PATH (the lent GPUs have it) and the CUDA driver's ``libcuda.so.1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import datetime
 import io
 import os
@@ -28,13 +31,16 @@ from collections import defaultdict
 from .common import Recorder, bench_parser, log, refuse_existing
 
 KINDS = (  # (kind, substrings of the kernel's function name), the first match wins
-    ("attention", ("prefillq_flash", "prefillq_sparse", "flash", "sdpa", "attention")),
+    ("attention", ("prefillq_fa", "prefillq_flash", "prefillq_sparse", "flash", "sdpa",
+                   "attention")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "gemv")),
     ("norm", ("rms_norm", "layer_norm")),
     ("rope", ("rope",)),
     ("reduction", ("reduce", "softmax", "logsumexp", "arg_")),
     ("copy", ("copy", "gather", "scatter", "slice", "concat")),
-    ("elementwise", ("unary", "binary", "ternary", "compiled", "fused")),
+    # MLX names a compiled graph's kernel by its ops (GELU's: ...MultiplyPower...Tanh...)
+    ("elementwise", ("unary", "binary", "ternary", "compiled", "fused", "multiply", "tanh",
+                     "broadcast")),
 )
 SECONDS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
            "ms": 1e-3, "second": 1.0, "s": 1.0}
@@ -79,16 +85,32 @@ def by_kind(kernels: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float
     return {k: (n, s) for k, (n, s) in sorted(kinds.items(), key=lambda kv: -kv[1][1])}
 
 
-def _prefill(model: str, layers: int, tokens: int, chunk: int, repeats: int) -> float:
-    """Build the model and run `repeats` prefills; the fastest's wall seconds."""
+def _prefill(model: str, layers: int, tokens: int, chunk: int, repeats: int,
+             profiled: bool) -> float:
+    """Build the model, run a warm-up prefill, then `repeats` more (with `profiled`, one,
+    between ``cuProfilerStart`` and ``cuProfilerStop``: ncu runs with
+    ``--profile-from-start off``, so the build's and warm-up's kernels stay out); the
+    fastest's wall seconds."""
     from .gpu import MODELS, one_prefill_seconds
 
     net = MODELS[model].build(n_layers=layers)
-    return min(one_prefill_seconds(net, tokens, chunk) for _ in range(repeats))
+    one_prefill_seconds(net, tokens, chunk)
+    if not profiled:
+        return min(one_prefill_seconds(net, tokens, chunk) for _ in range(repeats))
+    import mlx.core as mx
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    mx.synchronize()
+    driver.cuProfilerStart()
+    seconds = one_prefill_seconds(net, tokens, chunk)
+    mx.synchronize()
+    driver.cuProfilerStop()
+    return seconds
 
 
 def _child(args, repeats: int, ncu: list[str] = ()) -> str:
     cmd = [*ncu, sys.executable, "-m", "bench.gpu_kernels", "--prefill", str(repeats),
+           *(["--profiled"] if ncu else []),
            "--model", args.model, "--layers", str(args.layers), "--tokens", str(args.tokens),
            "--chunk", str(args.chunk)]
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -101,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32_768)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--prefill", type=int, metavar="N", help=argparse.SUPPRESS)
+    p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.prefill:  # a child: N prefills, the fastest's seconds on stdout
-        print(_prefill(args.model, args.layers, args.tokens, args.chunk, args.prefill))
+        print(_prefill(args.model, args.layers, args.tokens, args.chunk, args.prefill,
+                       args.profiled))
         return 0
     refuse_existing(p, args.out)
     ncu = shutil.which("ncu")
@@ -114,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(True, {"date": datetime.date.today().isoformat(), "ncu": ncu,
                           "mlx_env": {k: v for k, v in os.environ.items()
                                       if k.startswith("MLX_")}}, args.out)
-    wall = float(_child(args, 4).split()[-1])
+    wall = float(_child(args, 3).split()[-1])
     log(f"unprofiled prefill {wall:.4f} s; profiling one under ncu")
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "kernels.csv")
         _child(args, 1, [ncu, "--csv", "--metrics", "gpu__time_duration.sum",
+                         "--profile-from-start", "off",
                          "--cache-control", "none", "--clock-control", "none",
                          "--print-kernel-base", "function", "--log-file", report])
         with open(report) as f:
