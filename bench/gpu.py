@@ -21,6 +21,7 @@ from model.archs import gemma3, llama
 from model.gguf.synthetic.llama import Llama3Scaling, llama3_rope_factors
 from model.kernels.flash_attention import ENV as FUSED_ENV
 from model.kernels.flash_attention import available as fused_available
+from model.kernels.flash_attention_sm90 import compute_capability
 from model.start import start_prefill
 
 from . import gpu_deepseek4, gpu_peers
@@ -350,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         model_cases(rec, ceiling, spec, cases[spec.name], peers)
     if micro_runs:
-        micro(rec, peers)
+        micro(rec, peers, hopper=compute_capability() == (9, 0))
         gpu_deepseek4.micro(rec)
+        gpu_deepseek4.slots_sweep(rec)
         gpu_deepseek4.experts_micro(rec)
     elif not args.no_micro:
         log("the attention micro-benchmark needs the fused kernel (a CUDA GPU): skipped")

@@ -178,6 +178,33 @@ def micro(rec: Recorder, L: int = 2048, position: int = 6144, topk: int = 512,
     log("deepseek4 attention micro-benchmark done")
 
 
+# (slots per query, key rows): a ratio-0 layer's window (128), then longer lists up to a
+# ratio-4 layer's window + top-k (640) and past it
+SLOT_SWEEP = [(128, 2175), (256, 4000), (640, 4223), (1152, 9000)]
+
+
+def slots_sweep(rec: Recorder, L: int = 2048, cases=SLOT_SWEEP) -> None:
+    """The key-list kernel's builds (mma.sync at 32 and 16 slots a step; on a compute
+    capability 9.0 GPU sm_90a at 64 and 32) over `L` queries of 64 heads by list length,
+    timed in turn as kernels (`_interleaved_seconds`): ``deepseek4_slots_seconds`` each."""
+    rng = np.random.default_rng(0)
+    builds = [("mma.sync", 32), ("mma.sync", 16)]
+    if sm90.compute_capability() == (9, 0):
+        builds += [("sm90 wgmma", 64), ("sm90 wgmma", 32)]
+    for K, N in cases:
+        q = mx.random.normal((1, H, L, D)).astype(mx.bfloat16)
+        kv = mx.random.normal((N, D)).astype(mx.bfloat16)
+        idx = mx.array(np.stack([rng.choice(N, K, replace=False) for _ in range(L)])
+                       .astype(np.int32))
+        sinks = mx.zeros((H,), dtype=mx.float32)
+        runs = {(path, n): partial(sa.sparse_attention, q, kv, idx, sinks, D**-0.5, block_n=n,
+                                   hopper=path != "mma.sync") for path, n in builds}
+        for (path, n), s in _interleaved_seconds(runs).items():
+            rec("deepseek4_slots_seconds", s, "s", path=path, block_n=n, queries=L, slots=K,
+                rows=N, tflops_useful=round(2 * 2 * H * D * L * K / s / 1e12, 1))
+    mx.clear_cache()
+
+
 def _routed_layer(args, dtype: mx.Dtype, seed: int = 0):
     """A routed MoE layer at `args`' widths with random `dtype` expert weights (std 0.02)."""
     moe = deepseek4.MoE(args, layer=args.num_hash_layers)

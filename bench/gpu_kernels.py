@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections import defaultdict
 
-from .common import Recorder, bench_parser, log, refuse_existing
+from .common import Recorder, bench_parser, git_commit, log, refuse_existing
 
 KINDS = (  # (kind, substrings of the kernel's function name), the first match wins
     ("attention", ("prefillq_fa", "prefillq_flash", "prefillq_sparse", "flash", "sdpa",
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("ncu (Nsight Compute) is not on the PATH")
     case = {"model": args.model, "layers": args.layers, "n_tokens": args.tokens,
             "chunk_tokens": args.chunk}
-    rec = Recorder(True, {"date": datetime.date.today().isoformat(), "ncu": ncu,
+    rec = Recorder(True, {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+                          "ncu": ncu,
                           "mlx_env": {k: v for k, v in os.environ.items()
                                       if k.startswith("MLX_")}}, args.out)
     wall = float(_child(args, 3).split()[-1])
