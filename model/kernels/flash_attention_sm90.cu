@@ -125,32 +125,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   auto k_tile = [&](int stage) { return k_smem + stage * KV_BYTES; };
   auto v_tile = [&](int stage) { return v_smem + stage * KV_BYTES; };
 
-  // S = Q K^T: this warpgroup's 64 rows x BLOCK_N keys, D / 16 k-steps (issued, not awaited)
-  auto issue_qk = [&](float (&s)[N_TILES][4], uint32_t k) {
-    // this warpgroup's 64 query rows (computed here: hoisted out of the loop, the address
-    // costs ~20 more registers)
-    const uint32_t q_wg = q_smem + wg * 64 * 128;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
-      wgmma_ss(s, smem_desc(q_wg + (kk / 4) * BLOCK_M * 128 + col, 16, 1024),
-               smem_desc(k + (kk / 4) * BLOCK_N * 128 + col, 16, 1024), kk > 0);
-    }
-  };
-  // O += P V: P's k-step of 16 keys is S fragments 2i and 2i + 1 (packed in pa[i]); V's
-  // region r holds dims 64r.. of every key row (issued, not awaited)
-  auto issue_pv = [&](const uint32_t (&pa)[N_TILES / 2][4], uint32_t v) {
-#pragma unroll
-    for (int i = 0; i < N_TILES / 2; ++i) {
-      const uint32_t rows = v + i * 16 * 128;
-#define PREFILLQ_PV(R) \
-      if (REGIONS > R)   \
-        wgmma_rs<8 * R>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], \
-                        smem_desc(rows + R * BLOCK_N * 128, BLOCK_N * 128, 1024));
-      PREFILLQ_PV(0) PREFILLQ_PV(1) PREFILLQ_PV(2) PREFILLQ_PV(3)
-#undef PREFILLQ_PV
-    }
-  };
   // mask (causal, window, past N) where key block kb may cross an edge; scale to log2 units
   auto mask_scale = [&](float (&s)[N_TILES][4], int kb) {
     const bool edge = kb + BLOCK_N - 1 > first_q || kb + BLOCK_N > k_start + N ||
@@ -192,7 +166,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     if (TAKE_TURNS && wg == 1)   // the first warpgroup's S goes first
       asm volatile("bar.sync %0, %1;\n" :: "n"(TURN_BARRIER), "n"(THREADS) : "memory");
     wgmma_fence();
-    issue_qk(s, k_tile(stage));
+    // S = Q K^T over this warpgroup's 64 query rows (their address computed here: hoisted
+    // out of the loop it costs ~20 more registers)
+    issue_qk<D, BLOCK_M>(s, q_smem + wg * 64 * 128, k_tile(stage));
     wgmma_commit();
     if (TAKE_TURNS && wg == 0)
       asm volatile("bar.arrive %0, %1;\n" :: "n"(TURN_BARRIER), "n"(THREADS) : "memory");
@@ -207,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     pack_a_operand(s, pa);
     fence_registers(o);   // O's rescale by the softmax happens here, before the fence
     wgmma_fence();
-    issue_pv(pa, v_tile(stage));
+    issue_pv<REGIONS>(o, pa, v_tile(stage));
     wgmma_commit();
     wgmma_wait_all();
     fence_registers(o);

@@ -29,7 +29,6 @@ constexpr int Q_BYTES = HEADS * D * 2, KV_BYTES = BLOCK_N * D * 2;
 constexpr int S_FLOATS = 128 * N_TILES * 4;  // one warpgroup's S fragments, fp32
 constexpr float LOG2E = 1.4426950408889634f;
 static_assert(BLOCK_N == 64 || BLOCK_N == 32, "S's wgmma is m64n64k16 or m64n32k16");
-static_assert(HALF % 64 == 0 && HALF <= 256, "O += P V covers up to four 64-dim regions");
 static_assert(THREADS % (D / 8) == 0, "the copies give each thread whole rows' chunks");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
@@ -86,29 +85,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   // this warpgroup's dims: its regions of the Q tile and of a key tile
   const uint32_t q_half = q_smem + wg * HALF_REGIONS * HEADS * 128;
   const int half_offset = wg * HALF_REGIONS * BLOCK_N * 128;
-  // S = Q K^T over this warpgroup's HALF dims: HALF / 16 k-steps (issued, not awaited)
-  auto issue_qk = [&](float (&s)[N_TILES][4], uint32_t k) {
-#pragma unroll
-    for (int kk = 0; kk < HALF / 16; ++kk) {
-      const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
-      wgmma_ss(s, smem_desc(q_half + (kk / 4) * HEADS * 128 + col, 16, 1024),
-               smem_desc(k + (kk / 4) * BLOCK_N * 128 + col, 16, 1024), kk > 0);
-    }
-  };
-  // O += P V over this warpgroup's dims: V's region r holds dims 64 r.. of every key row
-  auto issue_pv = [&](const uint32_t (&pa)[N_TILES / 2][4], uint32_t v) {
-#pragma unroll
-    for (int i = 0; i < N_TILES / 2; ++i) {
-      const uint32_t rows = v + i * 16 * 128;
-#define PREFILLQ_PV(R) \
-      if (HALF_REGIONS > R)   \
-        wgmma_rs<8 * R>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], \
-                        smem_desc(rows + R * BLOCK_N * 128, BLOCK_N * 128, 1024));
-      PREFILLQ_PV(0) PREFILLQ_PV(1) PREFILLQ_PV(2) PREFILLQ_PV(3)
-#undef PREFILLQ_PV
-    }
-  };
-
   float* s_mine = s_halves + wg * S_FLOATS + tid % 128;
   const float* s_pair = s_halves + (wg ^ 1) * S_FLOATS + tid % 128;
 
@@ -121,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
 
     float s[N_TILES][4];
     wgmma_fence();
-    issue_qk(s, tile);
+    issue_qk<HALF, HEADS>(s, q_half, tile);   // over this warpgroup's HALF dims
     wgmma_commit();
     // the next tile's gather while S computes: its row indices are global loads the copies
     // wait on, which would otherwise sit between the barrier and S
@@ -152,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     pack_a_operand(s, pa);
     fence_registers(o);   // O's rescale by the softmax happens here, before the fence
     wgmma_fence();
-    issue_pv(pa, tile);
+    issue_pv<HALF_REGIONS>(o, pa, tile);   // V's region r: dims 64 r.. of every key row
     wgmma_commit();
     wgmma_wait_all();
     fence_registers(o);

@@ -114,6 +114,44 @@ __device__ __forceinline__ void pack_a_operand(const float (&s)[N_TILES][4],
   }
 }
 
+// S (64 x 8 N_TILES, fp32) = Q K^T over DEPTH dims, issued, not awaited: Q's 64 rows at
+// `q` in a swizzled tile of Q_ROWS rows, the N_TILES * 8 keys at `k` in their own swizzled
+// tile (both K-major, a 128-byte region per 64 dims); DEPTH / 16 k-steps of 16 dims.
+template <int DEPTH, int Q_ROWS, int N_TILES>
+__device__ __forceinline__ void issue_qk(float (&s)[N_TILES][4], uint32_t q, uint32_t k) {
+#pragma unroll
+  for (int kk = 0; kk < DEPTH / 16; ++kk) {
+    const uint32_t col = (kk % 4) * 32;   // 16 dims of a 64-dim region
+    wgmma_ss(s, smem_desc(q + (kk / 4) * Q_ROWS * 128 + col, 16, 1024),
+             smem_desc(k + (kk / 4) * N_TILES * 8 * 128 + col, 16, 1024), kk > 0);
+  }
+}
+
+// O (64 x 64 REGIONS, fp32) += P V, issued, not awaited: P's k-step of 16 keys i is
+// `pa[i]` (pack_a_operand), V the tile of K_STEPS * 16 keys at `v` read MN-major, its
+// region r holding dims 64 r.. of every key row.
+template <int REGIONS, int K_STEPS, int O_TILES>
+__device__ __forceinline__ void issue_pv(float (&o)[O_TILES][4],
+                                         const uint32_t (&pa)[K_STEPS][4], uint32_t v) {
+  static_assert(REGIONS >= 1 && REGIONS <= 4 && O_TILES >= 8 * REGIONS,
+                "O += P V covers one to four 64-dim regions of O");
+  constexpr uint32_t TILE = K_STEPS * 16 * 128;   // one region of the key tile, bytes
+#pragma unroll
+  for (int i = 0; i < K_STEPS; ++i) {
+    const uint32_t rows = v + i * 16 * 128;
+    wgmma_rs<0>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3], smem_desc(rows, TILE, 1024));
+    if constexpr (REGIONS > 1)
+      wgmma_rs<8>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3],
+                  smem_desc(rows + TILE, TILE, 1024));
+    if constexpr (REGIONS > 2)
+      wgmma_rs<16>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3],
+                   smem_desc(rows + 2 * TILE, TILE, 1024));
+    if constexpr (REGIONS > 3)
+      wgmma_rs<24>(o, pa[i][0], pa[i][1], pa[i][2], pa[i][3],
+                   smem_desc(rows + 3 * TILE, TILE, 1024));
+  }
+}
+
 // Every thread's cp.async copies are in, made visible to the async proxy wgmma reads
 // shared memory by, and every thread of the block is past the previous step.
 __device__ __forceinline__ void async_tiles_ready() {
