@@ -118,7 +118,10 @@ def _child(args, repeats: int, ncu: list[str] = ()) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("python -m bench.gpu_kernels", __doc__, json_lines=False)
-    p.add_argument("--model", default="gemma3-4b", help="bench.gpu's MODELS (default %(default)s)")
+    from .gpu import MODELS
+
+    p.add_argument("--model", default="gemma3-4b", choices=sorted(MODELS),
+                   help="bench.gpu's MODELS (default %(default)s)")
     p.add_argument("--layers", type=int, default=6, help="the first N layers (default %(default)s)")
     p.add_argument("--tokens", type=int, default=32_768)
     p.add_argument("--chunk", type=int, default=2048)
