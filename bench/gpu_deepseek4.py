@@ -186,17 +186,13 @@ SLOT_SWEEP = [(128, 2175), (256, 4000), (640, 4223), (1152, 9000)]
 def slots_sweep(rec: Recorder, L: int = 2048, cases=SLOT_SWEEP) -> None:
     """The key-list kernel's builds (mma.sync at 32 and 16 slots a step; on a compute
     capability 9.0 GPU sm_90a at 64 and 32) over `L` queries of 64 heads by list length,
-    timed in turn as kernels (`_interleaved_seconds`): ``deepseek4_slots_seconds`` each."""
-    rng = np.random.default_rng(0)
+    timed in turn as kernels (`_interleaved_seconds`) on `_sparse_inputs` with no empty
+    slot but the checks' one tile of query 1: ``deepseek4_slots_seconds`` each."""
     builds = [("mma.sync", 32), ("mma.sync", 16)]
     if sm90.compute_capability() == (9, 0):
         builds += [("sm90 wgmma", 64), ("sm90 wgmma", 32)]
     for K, N in cases:
-        q = mx.random.normal((1, H, L, D)).astype(mx.bfloat16)
-        kv = mx.random.normal((N, D)).astype(mx.bfloat16)
-        idx = mx.array(np.stack([rng.choice(N, K, replace=False) for _ in range(L)])
-                       .astype(np.int32))
-        sinks = mx.zeros((H,), dtype=mx.float32)
+        q, kv, idx, sinks = _sparse_inputs(L, K, N, empty=0.0)
         runs = {(path, n): partial(sa.sparse_attention, q, kv, idx, sinks, D**-0.5, block_n=n,
                                    hopper=path != "mma.sync") for path, n in builds}
         for (path, n), s in _interleaved_seconds(runs).items():

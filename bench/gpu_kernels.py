@@ -80,8 +80,9 @@ def by_kind(kernels: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float
     """`kernel_seconds`' totals summed by `kernel_kind`, slowest first."""
     kinds: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for name, (n, s) in kernels.items():
-        kinds[kernel_kind(name)][0] += n
-        kinds[kernel_kind(name)][1] += s
+        total = kinds[kernel_kind(name)]
+        total[0] += n
+        total[1] += s
     return {k: (n, s) for k, (n, s) in sorted(kinds.items(), key=lambda kv: -kv[1][1])}
 
 
