@@ -1,18 +1,22 @@
 """One Redis round trip per step: its jobs' fenced transitions plus what the loop needs next.
 
 After each step the worker sends every stepped job's progress (or publish) script, the other
-resident jobs' cancel flags, the admission queues' lengths and the step's chunk stats together.
+resident jobs' cancel flags, the admission queues' lengths, the step's chunk stats and the
+jobs that left since the last round trip (`Departures`) together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Container, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from redis import Redis
 from redis.exceptions import NoScriptError
 
 from jobs import keys, stats
+from jobs.schema import JobState
 from jobs.scripts import Call, Scripts
 
 # Raise a tenant's virtual service to a floor (VTC's lift, `worker.fair_share`): a max, so
@@ -22,6 +26,82 @@ local now = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 if now < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 return 0
 """
+
+
+@dataclass
+class Departures:
+    """Jobs that left worker `worker` and are not forgotten in Redis yet: their ids leave its
+    held jobs (``keys.worker_jobs``, the reaper's list) and the ended ones are counted
+    (`jobs.stats`). A step's scripts decide whether a job ends, so the jobs they end are
+    forgotten in the next round trip (`Probe.departed`) or, when none follows, on their own
+    (`write`): one round trip a step also when jobs end.
+
+    Attributes:
+        job_ids: jobs to remove from the held set (a hand-back parked for later is not).
+        ended: how many ended in each terminal state.
+        reused: prompt tokens the finished ones reused (a session's slot, the prefix cache).
+        hits: finished jobs a prefix cache served a prefix of; misses: served none of.
+    """
+
+    worker: str
+    job_ids: list[str] = field(default_factory=list)
+    ended: Counter = field(default_factory=Counter)
+    reused: int = 0
+    hits: int = 0
+    misses: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.job_ids or self.ended)
+
+    def merge(self, other: Departures) -> None:
+        """Add `other`'s jobs and counts to these."""
+        self.job_ids.extend(j for j in other.job_ids if j not in self.job_ids)
+        self.ended.update(other.ended)
+        self.reused += other.reused
+        self.hits += other.hits
+        self.misses += other.misses
+
+    @contextmanager
+    def taken(self) -> Iterator[Departures]:
+        """These departures, moved out for a round trip (these are empty then) and put back
+        when it raises, to go with the next one."""
+        out = Departures(self.worker, self.job_ids, self.ended, self.reused, self.hits,
+                         self.misses)
+        self.job_ids, self.ended, self.reused, self.hits, self.misses = [], Counter(), 0, 0, 0
+        try:
+            yield out
+        except BaseException:
+            self.merge(out)
+            raise
+
+    def send(self, connection: Redis, resident: Container[str] = ()) -> None:
+        """Write these departures (`write`) in one round trip of their own.
+
+        Raises:
+            the SREM's Redis error.
+        """
+        if not self:
+            return
+        with connection.pipeline(transaction=False) as pipe:
+            self.write(pipe, resident)
+            replies = pipe.execute(raise_on_error=False)
+        if self.unheld(resident) and isinstance(replies[0], Exception):
+            raise replies[0]
+
+    def unheld(self, resident: Container[str] = ()) -> list[str]:
+        """The ids to remove from the held set: not those `resident` again (a job back on
+        this worker under a new attempt stays held)."""
+        return [j for j in self.job_ids if j not in resident]
+
+    def write(self, pipe, resident: Container[str] = ()) -> None:
+        """Queue the SREM of `unheld` (first, where there are any) and the counts on `pipe`;
+        the counts are best effort (`jobs.stats`: one Redis refuses is dropped), the SREM,
+        a deletion, is never refused."""
+        if job_ids := self.unheld(resident):
+            pipe.srem(keys.worker_jobs(self.worker), *job_ids)
+        for state, n in self.ended.items():
+            stats.record_terminal(pipe, JobState(state), n)
+        stats.record_reused(pipe, self.reused, self.hits, self.misses)
 
 
 @dataclass
@@ -43,6 +123,9 @@ class Probe:
         read_service: read ``keys.TENANT_SERVICE`` back (after those additions).
         set_keys: Redis sets whose sizes are read (the tenants' intake levels: a new one is
             seen within a step, not within the scheduler's refresh).
+        departed: the jobs that left since the last round trip, forgotten in this one
+            (None: none did).
+        resident: the jobs resident now, whose ids a departure does not remove.
     """
 
     others: Sequence[str] = ()
@@ -55,6 +138,8 @@ class Probe:
     held: Mapping[str, int] | None = None
     read_service: bool = False
     set_keys: Sequence[str] = ()
+    departed: Departures | None = None
+    resident: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +211,10 @@ def run_scripts(connection: Redis, scripts: Scripts, calls: Sequence[Call],
         service = None if isinstance(replies[at], Exception) else replies[at]
         at += 1
     sizes = replies[at:at + len(probe.set_keys)] if probe.set_keys else None
+    at += len(probe.set_keys)
+    if probe.departed and probe.departed.unheld(probe.resident) and isinstance(replies[at],
+                                                                              Exception):
+        raise replies[at]  # the departures' SREM (their counts are best effort)
     if sizes is not None and any(isinstance(n, Exception) for n in sizes):
         sizes = None
     return Reply(
@@ -167,6 +256,8 @@ def _send(connection: Redis, scripts: Scripts, calls: Sequence[Call], probe: Pro
             pipe.hgetall(keys.TENANT_SERVICE)
         for key in probe.set_keys:
             pipe.scard(key)
+        if probe.departed:
+            probe.departed.write(pipe, probe.resident)
         if chunks:
             stats.record_chunks(pipe, chunks)
         return pipe.execute(raise_on_error=False)  # every reply, errors included

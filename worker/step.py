@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from jobs import keys, scripts, stats
+from jobs import scripts, stats
 from jobs.queues import requeue_to_intake
 from jobs.result import logits_blob
 from jobs.schema import JobState, LogitsMode, now
@@ -23,7 +24,7 @@ from .faults import FaultPlan
 from .hooks import JobHooks
 from .parked import ParkedWrites
 from .prefixes import PrefixBlocks
-from .roundtrip import Probe, Reply, run_scripts
+from .roundtrip import Departures, Probe, Reply, run_scripts
 from .scheduler import Scheduler, Step
 from .sessions import SessionSlots
 from .settings import WorkerSettings
@@ -87,6 +88,8 @@ class Stepper(Starts):
         self.scripts = Scripts(connection)
         self.active = scheduler.resident  # read here; changed through the scheduler only
         self.parked = ParkedWrites()  # transitions Redis refused, retried by `settle`
+        # jobs a step's scripts ended, forgotten in Redis by the next round trip
+        self.departed = Departures(name)
 
     # -- the chunk step -----------------------------------------------------------------
 
@@ -210,9 +213,11 @@ class Stepper(Starts):
                logits: dict[str, np.ndarray] | None = None) -> Reply:
         """Record each of `jobs`' progress, or publish its final logits and ``finished``
         where `logits` has them (float32 ``(vocab,)`` by job id), fenced, canceled winning,
-        in one round trip with `probe`'s reads (`worker.roundtrip.run_scripts`). A job whose
-        script ended it (``finished``, ``canceled``) or found it fenced is dropped here; one
-        whose write Redis refused is failed or parked (`_refused`), the others recorded.
+        in one round trip with `probe`'s reads (`worker.roundtrip.run_scripts`) and the jobs
+        that left since the last one (`departed`). A job whose script ended it
+        (``finished``, ``canceled``) or found it fenced is dropped here and forgotten in
+        Redis by the next round trip (`leave`); one whose write Redis refused is failed or
+        parked (`_refused`), the others recorded.
 
         Raises:
             the first Redis error other than a refused write (after the rest are handled).
@@ -220,7 +225,9 @@ class Stepper(Starts):
         logits = logits or {}
         calls = [self._publish_call(a, logits[a.job_id]) if a.job_id in logits
                  else self._progress_call(a) for a in jobs]
-        reply = run_scripts(self.connection, self.scripts, calls, probe)
+        with self.departed.taken() as departed:
+            probe = replace(probe or Probe(), departed=departed or None, resident=self.active)
+            reply = run_scripts(self.connection, self.scripts, calls, probe)
         error, refused, leaving = None, [], []
         for active, outcome in zip(jobs, reply.outcomes, strict=True):
             p = active.prefill
@@ -237,7 +244,7 @@ class Stepper(Starts):
                 log.info("job %s %s at %d/%d", active.job_id, outcome, p.cursor, p.n_tokens)
                 leaving.append((active, stats.terminal(outcome)))
         if leaving:
-            self.leave(leaving)
+            self.leave(leaving, later=True)
         for job_id, refusal in refused:
             self._refused(job_id, refusal)
         if error is not None:
@@ -283,7 +290,8 @@ class Stepper(Starts):
                                                 error_type=error_type, message=message))
         ended = stats.terminal(outcome)
         active = self.scheduler.remove(job_id)
-        self._forget([job_id], [ended] if ended else [])
+        self.departed.merge(Departures(self.name, [job_id], Counter([ended] if ended else [])))
+        self.forget_departed()
         if active is not None:
             for hook in self.hooks:
                 hook.leaving(active, ended)
@@ -336,44 +344,36 @@ class Stepper(Starts):
         self.leave([(active, ended)], deregister=deregister)
 
     def leave(self, leaving: list[tuple[ActiveJob, JobState | None]], *,
-              deregister: bool = True) -> None:
+              deregister: bool = True, later: bool = False) -> None:
         """Forget each job of `leaving`, ``(job, terminal state or None)``, here: a chunk
-        launched for it is abandoned, room is made for the next job, and in one round trip
-        it leaves this worker's held jobs (unless not `deregister`) and a job that ended is
-        counted; then the hooks see it leave (its cache released or kept as its session's
-        slot at its last committed chunk; an ended job's checkpoints deleted). The count
-        comes first, so it is in Redis within a round trip of the transition a client waits
-        on."""
+        launched for it is abandoned, room is made for the next job, it leaves this worker's
+        held jobs (unless not `deregister`) and a job that ended is counted, in one round
+        trip (`forget_departed`) or, `later`, in the next step's (the scripts of a step's
+        round trip end its jobs); then the hooks see it leave (its cache released or kept as
+        its session's slot at its last committed chunk; an ended job's checkpoints deleted)."""
         for active, _ in leaving:
             active.prefill.abandon()
             self.scheduler.remove(active.job_id)
         try:
             finished = [active for active, ended in leaving if ended == JobState.FINISHED]
-            self._forget([active.job_id for active, _ in leaving] if deregister else [],
-                         [ended for _, ended in leaving if ended],
-                         sum(active.prefill.cached_tokens for active in finished),
-                         *(self.prefixes.outcomes(finished) if self.prefixes else (0, 0)))
+            reused = sum(active.prefill.cached_tokens for active in finished)
+            hits, misses = self.prefixes.outcomes(finished) if self.prefixes else (0, 0)
+            self.departed.merge(Departures(
+                self.name, [active.job_id for active, _ in leaving] if deregister else [],
+                Counter(ended for _, ended in leaving if ended), reused, hits, misses))
+            if not later:
+                self.forget_departed()
         finally:
             for active, ended in leaving:
                 for hook in self.hooks:
                     hook.leaving(active, ended)
 
-    def _forget(self, job_ids: list[str], ended: list[JobState], reused: int = 0,
-                hits: int = 0, misses: int = 0) -> None:
-        # One round trip: the held-jobs SREM and the ends' counts (the finished jobs' reused
-        # tokens among them), which are best effort (a count Redis refuses is dropped; the
-        # SREM, a deletion, is never refused).
-        if not job_ids and not ended:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            if job_ids:
-                pipe.srem(keys.worker_jobs(self.name), *job_ids)
-            for state, n in Counter(ended).items():
-                stats.record_terminal(pipe, state, n)
-            stats.record_reused(pipe, reused, hits, misses)
-            replies = pipe.execute(raise_on_error=False)
-        if job_ids and isinstance(replies[0], Exception):
-            raise replies[0]
+    def forget_departed(self) -> None:
+        """Forget the jobs that left and are not forgotten yet (`Departures.send`) in a round
+        trip of their own: before a worker idles or stops, or where a job leaves outside a
+        step. On a Redis error they are kept for the next round trip."""
+        with self.departed.taken() as departed:
+            departed.send(self.connection, self.active)
 
     # -- writes Redis refused -------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import suppress
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -49,10 +50,9 @@ log = logging.getLogger("prefillq.worker")
 __all__ = ["DEFAULT_MAX_ACTIVE", "ActiveJob", "PrefillWorker", "current_worker"]
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
-# seconds `PrefillWorker.unsubscribe` waits for RQ's pubsub thread, once told to end
-PUBSUB_STOP_S = 5.0
-# an idle worker's blocking wait on intake (seconds, RQ's whole-second BLPOP): each tenant is
-# an intake queue of its own, so a new tenant's first job waits at most this on idle workers
+PUBSUB_STOP_S = 5.0  # seconds `unsubscribe` waits for RQ's pubsub thread once told to end
+# an idle worker's wait on intake (s, RQ's whole-second BLPOP): each tenant is an intake
+# queue of its own, so a new tenant's first job waits at most this on idle workers
 IDLE_WAIT_S = 1
 
 
@@ -218,6 +218,7 @@ class PrefillWorker(SimpleWorker):
                 continue
             assert isinstance(decision, Idle)
             try:
+                self.stepper.forget_departed()  # the last steps' ended jobs, before a wait
                 woken = self._block_on_intake(timeout, max_idle_time)
                 self.prefill_scheduler.saw_intake(woken is not None)  # more may wait
                 if woken is None:
@@ -336,6 +337,8 @@ class PrefillWorker(SimpleWorker):
     def teardown(self) -> None:
         self.hand_back_active()
         self.stepper.settle()
+        with suppress(*REDIS_ERRORS):  # an ended job left held is a no-op for the reaper
+            self.stepper.forget_departed()
         if self.checkpointing is not None:  # a hand-back's last checkpoint has landed
             self.checkpointing.flush(timeout=30)
         try:  # jobs routed here go to intake (routing to this worker ends with its heartbeat)
@@ -355,15 +358,12 @@ class PrefillWorker(SimpleWorker):
             log.warning("could not record %s's death in RQ: %s", self.name, error)
 
     def unsubscribe(self) -> None:
-        """RQ's end of its pubsub thread (the channel RQ's commands arrive on), in an order
-        that cannot hang: the thread's run flag cleared, then UNSUBSCRIBE, whose reply ends
-        the thread's read, then the thread waited for at most `PUBSUB_STOP_S`.
-
-        RQ 3.0 unsubscribes first and then calls the thread's ``stop()``, which since
-        redis-py 8.2 waits for the thread; the thread, no longer subscribed, waits in
-        ``get_message`` for RQ's 60 s ``sleep_time``, so a SIGTERM'd worker took a minute to
-        exit about half the time (found by `tests/bench/test_serve.py`, which stops workers
-        right after their jobs)."""
+        """RQ's end of its pubsub thread (RQ's command channel), in an order that cannot hang:
+        run flag cleared, UNSUBSCRIBE (its reply ends the thread's read), join for at most
+        `PUBSUB_STOP_S`. RQ 3.0 unsubscribes, then calls ``stop()``, which since redis-py 8.2
+        waits for the thread, which, unsubscribed, waits in ``get_message`` for RQ's 60 s
+        ``sleep_time``: a SIGTERM'd worker took a minute to exit half the time
+        (`tests/bench/test_serve.py`)."""
         thread = self.pubsub_thread
         if not thread:
             return

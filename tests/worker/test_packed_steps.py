@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jobs import JobState
+from jobs import JobState, keys
 
 from .helpers import MODEL, CountingConnection, assert_logits_match, ids
 
@@ -33,7 +33,9 @@ def round_trips_of_a_step(worker) -> tuple[int, tuple[str, ...]]:
     return CountingConnection.sent - before, tuple(a.job_id for a in step.jobs)
 
 
-def test_a_step_of_several_jobs_costs_one_round_trip_and_two_when_jobs_end(counted, tiny):
+def test_a_step_of_several_jobs_costs_one_round_trip_also_when_jobs_end(counted, tiny):
+    """The jobs a step's scripts end leave the worker's held jobs, and are counted, in the
+    next round trip (`Departures`): every step costs one; the last ones' when it idles."""
     worker, client = counted(max_batch_jobs=4, max_active=4)
     client.submit(tokens=ids(40, 59), model=MODEL)  # loads the scripts into the server
     worker.work(burst=True, logging_level="WARNING")
@@ -43,13 +45,22 @@ def test_a_step_of_several_jobs_costs_one_round_trip_and_two_when_jobs_end(count
     for job in jobs:
         worker.advance(job)
     assert round_trips_of_a_step(worker) == (1, tuple(jobs))  # every job's first chunk
-    # second chunks: the 20-token job ends (its publish, then one for all that left)
-    assert round_trips_of_a_step(worker) == (2, tuple(jobs))
+    held = keys.worker_jobs(worker.name)
+    finished = int(worker.connection.hget(keys.STATS, "finished") or 0)
+    # second chunks: the 20-token job ends in its publish
+    assert round_trips_of_a_step(worker) == (1, tuple(jobs))
     assert client.status(jobs[3]).state == JobState.FINISHED
     assert [client.status(j).cursor for j in jobs[:3]] == [32, 32, 32]
-    assert round_trips_of_a_step(worker) == (2, tuple(jobs[:3]))  # 40 and 33 end
-    assert round_trips_of_a_step(worker) == (2, (jobs[2],))
+    assert worker.connection.sismember(held, jobs[3])  # forgotten by the next round trip
+    assert round_trips_of_a_step(worker) == (1, tuple(jobs[:3]))  # 40 and 33 end
+    assert not worker.connection.sismember(held, jobs[3])
+    assert int(worker.connection.hget(keys.STATS, "finished")) == finished + 1
+    assert round_trips_of_a_step(worker) == (1, (jobs[2],))
     assert worker.active == {}
+    assert worker.connection.smembers(held) == {jobs[2].encode()}  # the last step's
+    worker.stepper.forget_departed()  # what an idle worker does before it waits
+    assert worker.connection.smembers(held) == set()
+    assert int(worker.connection.hget(keys.STATS, "finished")) == finished + 4
     for job, t in zip(jobs, token_ids, strict=True):
         assert_logits_match(client.result(job, timeout=0), tiny, t)
 
@@ -147,3 +158,4 @@ def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, 
     assert [[t["id"] for t in e["top"]] for e in entries[1:]] == lp.top_ids[1:].tolist()
     for other, seed in zip(others, (12, 13), strict=True):
         assert_logits_match(client.result(other, timeout=0), tiny, ids(40, seed))
+
