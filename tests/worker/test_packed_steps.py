@@ -159,3 +159,31 @@ def test_a_prompt_logprobs_job_in_a_step_gets_the_logprobs_it_gets_alone(setup, 
     for other, seed in zip(others, (12, 13), strict=True):
         assert_logits_match(client.result(other, timeout=0), tiny, ids(40, seed))
 
+
+def test_an_error_building_a_packed_step_hands_back_every_job_of_it(setup, tiny, monkeypatch):
+    """An error building a step's packed pass poisons every cache of the step (rows may be
+    half written), so each of its jobs is handed back with a ``ModelError`` failure counted,
+    runs again from cursor 0, and finishes once with the logits it gets alone."""
+    import model.prefill
+
+    built = model.prefill.launch_packed
+    packed: list[int] = []
+
+    def fails_first(model_, caches, *args, **kwargs):
+        packed.append(len(caches))
+        if len(packed) == 1:
+            raise RuntimeError("injected: the packed pass did not build")
+        return built(model_, caches, *args, **kwargs)
+
+    monkeypatch.setattr(model.prefill, "launch_packed", fails_first)
+    worker, client = setup(max_batch_jobs=3)
+    token_ids = [ids(n, 80 + n) for n in (40, 33, 20)]
+    jobs = [client.submit(tokens=t, model=MODEL, top_k=3) for t in token_ids]
+    worker.work(burst=True)
+    assert packed[0] == 3 and len(packed) > 1  # the three jobs' step, then their retries
+    for job, t in zip(jobs, token_ids, strict=True):
+        status = client.status(job)
+        assert (status.state, status.attempts) == (JobState.FINISHED, 2)
+        assert_logits_match(client.result(job, timeout=0), tiny, t)
+    assert int(worker.connection.hget(keys.STATS, "finished")) == 3
+    assert worker.active == {} and not worker.connection.smembers(keys.worker_jobs("w1"))
