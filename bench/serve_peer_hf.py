@@ -1,5 +1,5 @@
 """python -m bench.serve_peer_hf --shapes JSON [--jobs 1000] [--batch 64] [--seed 0]
-    [--attn sdpa] [--repeats 2] [--device cuda] [--json] [--out FILE]
+    [--attn sdpa] [--backend default] [--repeats 2] [--device cuda] [--json] [--out FILE]
 
 `bench.serve`'s scoring workload through HF transformers in padded batches: its peer for
 issue 26's served bound on a GPU (prefillq's default worker at least 1.0x this). The same
@@ -9,6 +9,10 @@ longest prompt with an attention mask and position ids that start at each prompt
 token, one forward pass a batch with the head on the last position only
 (``logits_to_keep=1``), the top-1 id of every prompt taken on the device, as a scoring
 harness does. Random weights at the shapes (`bench.gpu_peer_torch.hf_model`), bf16.
+`--attn` picks HF's attention implementation (``sdpa``, ``flex_attention``, ``eager``), and
+`--backend` the one SDPA backend ``sdpa`` may use (`bench.gpu_peers.SDPA_BACKENDS`;
+``default`` leaves the choice to torch), so that each can be timed in a process of its own
+and the fastest taken as the peer.
 
 Two orders: ``submit`` (the prompts as submitted) and ``length`` (longest first, as
 lm-eval's HF backend sorts its requests so that a batch pads little). Each order runs the
@@ -23,8 +27,8 @@ from __future__ import annotations
 import time
 
 from .common import Recorder, bench_parser, log, machine_context, refuse_existing
-from .gpu_peer_torch import hf_model
-from .gpu_peers import parse_shapes
+from .gpu_peer_torch import backend_context, hf_model
+from .gpu_peers import DEFAULT_BACKEND, SDPA_BACKENDS, parse_shapes
 from .serve import plan_prompts
 
 ORDERS = ("submit", "length")
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn", default="sdpa", help="HF attn_implementation (default sdpa)")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=[DEFAULT_BACKEND, *SDPA_BACKENDS],
+                   help="the only SDPA backend torch may use (default: torch's own pick)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
@@ -87,9 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(map(len, prompts))
     rec = Recorder(args.json, machine_context("serve_peer_hf") | {
         "jobs": args.jobs, "batch": args.batch, "seed": args.seed, "attn": args.attn,
+        "sdpa_backend": args.backend,
         "tokens": tokens, "torch": torch.__version__, "transformers": transformers.__version__,
         "model": shapes.get("label"), "dtype": "bfloat16"}, args.out)
     model = hf_model(args.attn, shapes, args.device)
+    with backend_context(args.backend):
+        run_orders(rec, model, prompts, args)
+    return 0
+
+
+def run_orders(rec: Recorder, model, prompts: list[list[int]], args) -> None:
+    """Time `model` scoring `prompts` in each of `ORDERS` (a warm-up pass, then the fastest
+    of ``args.repeats``); a ``serve_peer_jobs_per_s`` record each."""
+    tokens = sum(map(len, prompts))
     for order in ORDERS:
         groups = batches(prompts, args.batch, order)
         padded = sum(len(g) * max(map(len, g)) for g in groups)
@@ -104,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_s=round(tokens / best), wall_s=round(best, 3), batches=len(groups),
             padding_share=round(1 - tokens / padded, 4), repeats=args.repeats,
             how="fastest of the repeats after a warm-up pass of the whole workload")
-    return 0
 
 
 if __name__ == "__main__":

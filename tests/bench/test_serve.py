@@ -51,7 +51,10 @@ def test_two_arms_alternate_through_one_worker_each(capsys, tmp_path):
         assert r["redis_commands_per_job"] == pytest.approx(
             sum(r["redis_commands_per_job_by_command"].values()), abs=0.05)
         assert r["redis_commands_per_job_by_command"]["publish"] >= 1  # each job's finished
+        assert r["steps"] >= 1 and r["redis_commands_per_step"] == pytest.approx(
+            r["redis_commands_per_job"] * r["jobs_per_step"], rel=0.01)
         assert r["machine"]["suite"] == "serve"
+    assert runs[0]["jobs_per_step"] <= 1  # one job a step, each a step or more
     medians = {r["arm"]: r for r in records if r["metric"] == "serve_jobs_per_s_median"}
     assert set(medians) == {"one", "two"} and medians["one"]["rounds"] == 1
     (ratio,) = [r for r in records if r["metric"] == "serve_jobs_per_s_over_one"]
