@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from model.kernels import flash_attention_sm90 as sm90
+from model.kernels import gelu
 from model.kernels.flash_attention import available
 from model.start import start_prefill
 
@@ -52,6 +53,37 @@ def fused_kernel_sm90(rec: Recorder) -> bool:
         rec("flash_attention_sm90_check_skipped", 1, "", reason="not a Hopper GPU")
         return True
     return kernel_check(rec, hopper=True) and packed_check(rec, hopper=True)
+
+
+# `gelu.fused_gelu_gate` against float32: it rounds once to bf16, half a step (2^-9
+# relative), plus tanhf's own error; one step (2^-8) is the bound. Against MLX's compiled bf16
+# `gelu_gate`, which rounds after each of its ops, two steps of the largest value.
+GATE_F32_BOUND = 2.0 ** -8
+GATE_MLX_BOUND = 2.0 ** -7
+
+
+def gelu_gate_kernel(rec: Recorder) -> bool:
+    """`gelu.fused_gelu_gate` on Gemma 3 4B's MLP shapes (2,048 rows of 2 x 10,240 bf16, and
+    an odd 37 rows of 270M's 2 x 2,048): each value within `GATE_F32_BOUND` of the float32
+    `gelu_gate` of the same bf16 inputs (relative, with 2^-20 absolute near 0), and within
+    `GATE_MLX_BOUND` x max |value| of MLX's compiled bf16 `gelu_gate`."""
+    ok = True
+    for rows, inter in ((2048, 10240), (37, 2048)):
+        mx.random.seed(SEED)
+        gate_up = (mx.random.normal((1, rows, 2 * inter)) * 1.5).astype(mx.bfloat16)
+        got = gelu.fused_gelu_gate(gate_up).astype(mx.float32)
+        exact = gelu.gelu_gate(*mx.split(gate_up.astype(mx.float32), 2, axis=-1))
+        mlx = mx.compile(gelu.gelu_gate)(*mx.split(gate_up, 2, axis=-1)).astype(mx.float32)
+        over = mx.abs(got - exact) - (GATE_F32_BOUND * mx.abs(exact) + 2.0 ** -20)
+        rel_f32 = float((mx.abs(got - exact) / mx.maximum(mx.abs(exact), 2.0 ** -12)).max())
+        scale = float(mx.abs(mlx).max())
+        diff_mlx = float(mx.abs(got - mlx).max()) / scale
+        passed = float(over.max()) <= 0 and diff_mlx <= GATE_MLX_BOUND
+        rec("gelu_gate_kernel_check", diff_mlx, "max|diff|/max|value| vs MLX bf16",
+            ceiling=GATE_MLX_BOUND, passed=passed, rows=rows, intermediate=inter,
+            max_rel_diff_f32=rel_f32, f32_bound=GATE_F32_BOUND)
+        ok = ok and passed
+    return ok
 
 
 def compare_logits(chunked: np.ndarray, whole: np.ndarray) -> dict:
@@ -129,7 +161,8 @@ def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
 
 
 CHECKS: list[Callable[[Recorder], bool]] = [
-    fused_kernel_4_warps, fused_kernel_8_warps, fused_kernel_sm90, chunked_equals_one_pass,
+    fused_kernel_4_warps, fused_kernel_8_warps, fused_kernel_sm90, gelu_gate_kernel,
+    chunked_equals_one_pass,
     gemma3_4b_chunked_equals_one_pass, llama3_8b_chunked_equals_one_pass,
     qwen3_4b_chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,

@@ -38,9 +38,10 @@ KINDS = (  # (kind, substrings of the kernel's function name), the first match w
     ("rope", ("rope",)),
     ("reduction", ("reduce", "softmax", "logsumexp", "arg_")),
     ("copy", ("copy", "gather", "scatter", "slice", "concat")),
-    # MLX names a compiled graph's kernel by its ops (GELU's: ...MultiplyPower...Tanh...)
+    # MLX names a compiled graph's kernel by its ops (GELU's: ...MultiplyPower...Tanh...);
+    # `model.kernels.gelu`'s is custom_kernel_prefillq_gelu_gate_...
     ("elementwise", ("unary", "binary", "ternary", "compiled", "fused", "multiply", "tanh",
-                     "broadcast")),
+                     "broadcast", "gelu")),
 )
 SECONDS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
            "ms": 1e-3, "second": 1.0, "s": 1.0}

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
+from ..kernels.gelu import gelu_gate
 from ._packed import job_outputs
 
 Attend = Callable[..., mx.array]
@@ -27,6 +27,12 @@ Attend = Callable[..., mx.array]
 # up to 8,192 rows, at most ROW_BUCKET - 1 padding rows a step.
 MIN_PADDED_ROWS = 32
 ROW_BUCKET = 256
+# Values of a layer's gated product (rows x intermediate) from which the `gate` kernel runs
+# between two compiled halves instead of inside one compiled `_post`: it saves ~30 us at
+# this size on an H100 (112 -> 48 us at 21M values, `model.kernels.gelu`), more than the
+# host's second compiled call a layer costs where a step is host-bound (Gemma 3 270M's short
+# chunks, ~10-20 us; docs/benchmarks.md).
+GATE_KERNEL_MIN = 1 << 23
 
 
 def padded_rows(rows: int) -> int:
@@ -76,15 +82,28 @@ def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, 
         rows_first(v, kv_heads)))
 
 
-def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, *,
-          eps: float):
-    """The output projection, the residuals and their norms, and the GELU-gated MLP (gate
-    and up as one matmul) -> the layer's output ``(B, L, hidden)``."""
+def _attn_out(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, *, eps: float):
+    """The output projection, the residual and its norms, and the MLP's gate and up as one
+    matmul -> the residual stream ``(B, L, hidden)`` and ``gate_up`` ``(B, L, 2 * I)``."""
     B, _, L, _ = attn.shape
     h = x + mx.fast.rms_norm(attn.transpose(0, 2, 1, 3).reshape(B, L, -1) @ w_o.T,
                              w_post_attn, eps)
-    gate, up = mx.split(mx.fast.rms_norm(h, w_ffn_norm, eps) @ w_gate_up.T, 2, axis=-1)
-    return h + mx.fast.rms_norm((nn.gelu_approx(gate) * up) @ w_down.T, w_post_ffw, eps)
+    return h, mx.fast.rms_norm(h, w_ffn_norm, eps) @ w_gate_up.T
+
+
+def _mlp_out(h, gated, w_down, w_post_ffw, *, eps: float):
+    """The down projection of the gated product `gated` ``(B, L, I)``, normed, added to the
+    residual stream `h` -> the layer's output ``(B, L, hidden)``."""
+    return h + mx.fast.rms_norm(gated @ w_down.T, w_post_ffw, eps)
+
+
+def _post(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, w_down, w_post_ffw, *,
+          eps: float):
+    """`_attn_out`, the GELU-gated product and `_mlp_out` -> the layer's output
+    ``(B, L, hidden)``."""
+    h, gate_up = _attn_out(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, eps=eps)
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return _mlp_out(h, gelu_gate(gate, up), w_down, w_post_ffw, eps=eps)
 
 
 class GraphForward:
@@ -102,12 +121,18 @@ class GraphForward:
             ``L`` that each start at position 0 and so see their own rows only, in one call
             (on CUDA, `model.kernels.flash_attention.packed_flash_attention`); None: a
             packed step attends job by job.
+        gate: ``gate(gate_up)`` -> ``gelu_tanh(gate) * up`` as a kernel of its own (on CUDA,
+            `model.kernels.gelu.fused_gelu_gate`), run between the compiled `_attn_out` and
+            `_mlp_out` where a layer's gate has at least `GATE_KERNEL_MIN` values; else (or
+            None) the compiled `_post` computes it.
     """
 
-    def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None):
-        self.attend, self.attend_fresh = attend, attend_fresh
+    def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None,
+                 gate: Callable[[mx.array], mx.array] | None = None):
+        self.attend, self.attend_fresh, self.gate = attend, attend_fresh, gate
         self._pre: dict[tuple[bool, float], Callable] = {}
         self._post: Callable | None = None
+        self._post_halves: tuple[Callable, Callable] | None = None
         self._weights: dict[int, tuple[mx.array, mx.array]] = {}
 
     def _compiled(self, args, base: float, packed: bool = False):
@@ -118,6 +143,8 @@ class GraphForward:
                 head_dim=args.head_dim, base=base))
         if self._post is None:
             self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
+            self._post_halves = (mx.compile(partial(_attn_out, eps=args.rms_norm_eps)),
+                                 mx.compile(partial(_mlp_out, eps=args.rms_norm_eps)))
         return self._pre[packed, base], self._post
 
     def _stacked(self, layer: int, block) -> tuple[mx.array, mx.array]:
@@ -236,11 +263,18 @@ class GraphForward:
                                     attn.window, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
-    @staticmethod
-    def _post_of(post: Callable, h: mx.array, out: mx.array, block, w_gate_up: mx.array
-                 ) -> mx.array:
+    def _post_of(self, post: Callable, h: mx.array, out: mx.array, block,
+                 w_gate_up: mx.array) -> mx.array:
         """`post` (the compiled `_post`) of layer `block` on its input `h` and attention
-        output `out`."""
-        return post(h, out, block.attn.attn_output.weight, block.post_attention_norm.weight,
-                    block.ffn_norm.weight, w_gate_up, block.mlp.ffn_down.weight,
-                    block.post_ffw_norm.weight)
+        output `out`; with the `gate` kernel where it applies, its two compiled halves
+        around it."""
+        rows = h.size // h.shape[-1]
+        if self.gate is None or rows * w_gate_up.shape[0] // 2 < GATE_KERNEL_MIN:
+            return post(h, out, block.attn.attn_output.weight, block.post_attention_norm.weight,
+                        block.ffn_norm.weight, w_gate_up, block.mlp.ffn_down.weight,
+                        block.post_ffw_norm.weight)
+        attn_out, mlp_out = self._post_halves
+        h, gate_up = attn_out(h, out, block.attn.attn_output.weight,
+                              block.post_attention_norm.weight, block.ffn_norm.weight, w_gate_up)
+        return mlp_out(h, self.gate(gate_up), block.mlp.ffn_down.weight,
+                       block.post_ffw_norm.weight)

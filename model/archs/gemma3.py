@@ -17,8 +17,10 @@ from ..cache_plan import CachePlan, LayerSpec, plan_cache
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import flat_block_name, load_gguf_weights
 from ..kernels import flash_attention as fused
+from ..kernels import gelu
 from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
+from ..kernels.gelu import gelu_gate
 from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes
@@ -114,11 +116,6 @@ class Attention(nn.Module, ProjectedAttention):
             return flash_attention(q, keys, values, self.scale, position, self.window)
         return cache_attention(q, keys, values, mask, scale=self.scale, position=position,
                                window=self.window, n_kv_heads=self.n_kv_heads)
-
-
-def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
-    """``gelu(gate) * up`` with GELU's tanh approximation, as Gemma and llama.cpp use."""
-    return nn.gelu_approx(gate) * up
 
 
 class MLP(nn.Module):
@@ -225,7 +222,9 @@ class Model(nn.Module, KVCacheModel, PackedModel):
 
     def _graph_forward(self) -> GraphForward:
         if self._graph is None:
-            self._graph = GraphForward(_fused_attend, fused.packed_flash_attention)
+            gate = (gelu.fused_gelu_gate if gelu.available()
+                    and self.args.intermediate_size % gelu.VECTOR == 0 else None)
+            self._graph = GraphForward(_fused_attend, fused.packed_flash_attention, gate)
         return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:

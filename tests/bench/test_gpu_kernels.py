@@ -36,6 +36,7 @@ def test_kinds_by_name():
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
     assert kernel_kind("rope_single") == "rope"
     assert kernel_kind("copy_g_nd") == "copy"
+    assert kernel_kind("custom_kernel_prefillq_gelu_gate_f59fd5a0_10240_2048") == "elementwise"
     assert kernel_kind("something_new") == "other"
 
 

@@ -9,9 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.archs import gemma3
+from model.archs import _gemma3_graph, gemma3
 from model.archs._gemma3_graph import GraphForward, padded_rows
 from model.cache import window_mask
+from model.kernels.gelu import gelu_gate
 
 # float32 on the CPU, x max |logit|: compiled vs module forward measure 5.3e-7 to 1.0e-6
 # on the tiny model and 0.0 on Gemma 3 270M; packed steps of the compiled graphs against
@@ -90,6 +91,43 @@ def _packed_logits(model, forward, jobs, chunk, joins=None) -> list[np.ndarray]:
             hidden[i] = out
         step += 1
     return [np.array(model.logits(h)[0]) for h in hidden]
+
+
+def _mlx_gate(gate_up):
+    """`GraphForward`'s ``gate`` from MLX's ops (on CUDA, `model.kernels.gelu`'s kernel)."""
+    return gelu_gate(*mx.split(gate_up, 2, axis=-1))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-job", "packed"])
+def test_the_gate_between_two_compiled_halves_scores_as_the_one_compiled_post(
+        tiny, monkeypatch, packed):
+    """A layer whose gated product reaches `GATE_KERNEL_MIN` values runs the ``gate``
+    between `_attn_out` and `_mlp_out`; one below it, inside `_post`. Both give the module
+    forward's logits."""
+    calls = []
+
+    def gate(gate_up):
+        calls.append(gate_up.shape)
+        return _mlx_gate(gate_up)
+
+    model, rng = tiny.model, np.random.default_rng(4)
+    jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in (40, 23)]
+    width = 2 * model.args.intermediate_size
+    monkeypatch.setattr(_gemma3_graph, "GATE_KERNEL_MIN", 24 * width // 2)  # 24 rows
+    forward = GraphForward(_mlx_attend, _mlx_attend_fresh, gate)
+    if packed:
+        outs = _packed_logits(model, forward, jobs, 30)
+    else:
+        outs = [_logits(model, ids, 30, forward) for ids in jobs]
+    for ids, out in zip(jobs, outs, strict=True):
+        ref = _logits(model, ids, 30)
+        assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+        assert int(out.argmax()) == int(ref.argmax())
+    assert {s[-1] for s in calls} == {width}
+    # one job: its 30-row chunk through the gate, the 10- and 23-row ones inside `_post`;
+    # packed: 30 + 23 rows padded to 64, then 10 padded to 32
+    rows = {shape[-2] for shape in calls}
+    assert rows == ({64, 32} if packed else {30})
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["job-by-job", "fresh-in-one-call"])
