@@ -245,9 +245,8 @@ def arm_record(run: ArmRun) -> tuple[float, dict]:
     latency = [s.finished_at - s.enqueued_at for s in done] or [float("nan")]
     running = [s.finished_at - s.started_at for s in done] or [float("nan")]
     n = len(run.prompts)
-    # every step's round trip sends one HINCRBYFLOAT (`jobs.stats.record_chunks`' seconds),
-    # and nothing else here does (no tenants: their service is the other HINCRBYFLOAT)
-    steps = run.commands.get("hincrbyfloat", 0)
+    # a step's round trip sends one HINCRBYFLOAT (`jobs.stats.record_chunks`), nothing else here
+    steps, calls = run.commands.get("hincrbyfloat", 0), sum(run.commands.values())
     details = {
         "arm": run.arm.name, "round": run.round, "worker_flags": shlex.join(run.arm.flags),
         "jobs": n, "finished": len(done), "tokens": sum(map(len, run.prompts)),
@@ -257,10 +256,9 @@ def arm_record(run: ArmRun) -> tuple[float, dict]:
         "latency_p99_s": round(percentile(latency, 99), 4),
         "run_p50_s": round(percentile(running, 50), 4),
         "run_p99_s": round(percentile(running, 99), 4),
-        "redis_commands_per_job": round(sum(run.commands.values()) / n, 2),
-        "steps": steps, "jobs_per_step": round(n / steps, 3) if steps else None,
-        "redis_commands_per_step": round(sum(run.commands.values()) / steps, 2) if steps
-        else None,
+        "redis_commands_per_job": round(calls / n, 2), "steps": steps,
+        "jobs_per_step": round(n / steps, 3) if steps else None,
+        "redis_commands_per_step": round(calls / steps, 2) if steps else None,
         "redis_commands_per_job_by_command": {k: round(v / n, 3)
                                               for k, v in sorted(run.commands.items())},
         "redis_cpu_us_per_job": round(run.redis_cpu_s * 1e6 / n, 1),
