@@ -12,8 +12,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from model.archs._gemma3_graph import _heads_packed
 from model.kernels import flash_attention_sm90 as sm90
-from model.kernels import gelu
+from model.kernels import gelu, qk_norm_rope
 from model.kernels.flash_attention import available
 from model.start import start_prefill
 
@@ -83,6 +84,46 @@ def gelu_gate_kernel(rec: Recorder) -> bool:
             ceiling=GATE_MLX_BOUND, passed=passed, rows=rows, intermediate=inter,
             max_rel_diff_f32=rel_f32, f32_bound=GATE_F32_BOUND)
         ok = ok and passed
+    return ok
+
+
+# `qk_norm_rope.qk_norm_rope` against MLX's compiled `_heads_packed`: the same float32
+# formulas (norm, then bf16, then RoPE as MLX's CUDA rope computes its angle) in another sum
+# order, so a value may land one bf16 step off; two steps of the largest is the bound. V is
+# copied, so equal.
+HEADS_BOUND = 2.0 ** -7
+
+
+def _relative_diff(got: mx.array, ref: mx.array) -> float:
+    """max |got - ref| / max |ref| in float32."""
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return float(mx.abs(got - ref).max()) / float(mx.abs(ref).max())
+
+
+def qk_norm_rope_kernel(rec: Recorder) -> bool:
+    """`qk_norm_rope.qk_norm_rope` against MLX's compiled `_heads_packed` on Gemma 3 4B's
+    heads (8 over 4) at 2,048 rows past 30,000 (RoPE's large angles) and on 270M's (4 over
+    1) at 37 rows from 0, both RoPE bases: q and k within `HEADS_BOUND` x max |value|, v
+    equal."""
+    ok = True
+    for heads, kv, rows, first in ((8, 4, 2048, 30_000), (4, 1, 37, 0)):
+        for base in (10_000.0, 1_000_000.0):
+            mx.random.seed(SEED)
+            qkv = (mx.random.normal((rows, (heads + 2 * kv) * 256)) * 2).astype(mx.bfloat16)
+            w_q, w_k = (mx.random.uniform(0.5, 1.5, (256,)).astype(mx.bfloat16) for _ in "qk")
+            positions = mx.arange(first, first + rows, dtype=mx.int32)
+            got = qk_norm_rope.qk_norm_rope(qkv, positions, w_q, w_k, heads=heads,
+                                            kv_heads=kv, base=base, eps=1e-6)
+            ref = mx.compile(lambda x, p, a, b, base=base, heads=heads, kv=kv: _heads_packed(
+                x[None], p, a, b, eps=1e-6, heads=heads, kv_heads=kv, head_dim=256,
+                base=base))(qkv, positions, w_q, w_k)
+            diffs = [_relative_diff(g, r) for g, r in zip(got, ref, strict=True)]
+            passed = diffs[0] <= HEADS_BOUND and diffs[1] <= HEADS_BOUND and diffs[2] == 0
+            rec("qk_norm_rope_kernel_check", max(diffs[:2]), "max|diff|/max|value| vs MLX",
+                ceiling=HEADS_BOUND, passed=passed, heads=heads, kv_heads=kv, rows=rows,
+                first_position=first, base=base, q_diff=diffs[0], k_diff=diffs[1],
+                v_diff=diffs[2])
+            ok = ok and passed
     return ok
 
 
@@ -162,7 +203,7 @@ def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
 
 CHECKS: list[Callable[[Recorder], bool]] = [
     fused_kernel_4_warps, fused_kernel_8_warps, fused_kernel_sm90, gelu_gate_kernel,
-    chunked_equals_one_pass,
+    qk_norm_rope_kernel, chunked_equals_one_pass,
     gemma3_4b_chunked_equals_one_pass, llama3_8b_chunked_equals_one_pass,
     qwen3_4b_chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,

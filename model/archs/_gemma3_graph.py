@@ -33,6 +33,10 @@ ROW_BUCKET = 256
 # host's second compiled call a layer costs where a step is host-bound (Gemma 3 270M's short
 # chunks, ~10-20 us; docs/benchmarks.md).
 GATE_KERNEL_MIN = 1 << 23
+# Values of a chunk's q/k/v projection (rows x width) from which the `heads` kernel splits,
+# norms and rotates them after a compiled `_qkv` instead of inside the compiled `_pre`: at
+# Gemma 3 270M's 2,048-token chunks (3.1M) a host-bound step keeps one compiled call.
+HEADS_KERNEL_MIN = 1 << 22
 
 
 def padded_rows(rows: int) -> int:
@@ -43,12 +47,18 @@ def padded_rows(rows: int) -> int:
     return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
+def _qkv(x, w_norm, w_qkv, *, eps: float):
+    """The input norm and q, k and v as one matmul -> ``(B, L, (heads + 2 kv_heads)
+    head_dim)``."""
+    return mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T
+
+
 def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
          kv_heads: int, head_dim: int, base: float):
-    """The input norm, q/k/v as one matmul, q/k norms and RoPE at an array `offset` (one
-    trace serves every position) -> q, k, v ``(B, heads, L, head_dim)``."""
+    """`_qkv`, q/k norms and RoPE at an array `offset` (one trace serves every position)
+    -> q, k, v ``(B, heads, L, head_dim)``."""
     B, L, _ = x.shape
-    qkv = mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T  # one matmul for q, k and v
+    qkv = _qkv(x, w_norm, w_qkv, eps=eps)
     q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
 
     def heads_first(y, n, w_n=None):
@@ -61,14 +71,14 @@ def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int
             heads_first(v, kv_heads))
 
 
-def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
-                kv_heads: int, head_dim: int, base: float):
-    """`_pre` over several jobs' rows packed along ``L`` (`x` ``(1, L, hidden)``), each row
-    rotated at its own position (`positions`, int32 ``(L,)``): the rows become RoPE's batch,
-    whose per-batch offsets MLX takes, so a row is rotated as `_pre` rotates it in its own
-    job's chunk -> q, k, v ``(1, heads, L, head_dim)``."""
-    _, L, _ = x.shape
-    qkv = mx.fast.rms_norm(x, w_norm, eps) @ w_qkv.T
+def _heads_packed(qkv, positions, w_q_norm, w_k_norm, *, eps: float, heads: int,
+                  kv_heads: int, head_dim: int, base: float):
+    """The fused projection `qkv` ``(1, L, width)`` of rows packed along ``L`` split into
+    heads, q and k normed and each row rotated at its own position (`positions`, int32
+    ``(L,)``): the rows become RoPE's batch, whose per-batch offsets MLX takes, so a row is
+    rotated as `_pre` rotates it in its own job's chunk -> q, k, v ``(1, heads, L,
+    head_dim)``. On CUDA `model.kernels.qk_norm_rope` computes the same in one pass."""
+    _, L, _ = qkv.shape
     q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
 
     def rows_first(y, n, w_n=None):  # (L, n, 1, head_dim): one row a batch entry
@@ -80,6 +90,14 @@ def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, 
     return tuple(y.transpose(2, 1, 0, 3) for y in (  # (1, n, L, head_dim)
         rope(rows_first(q, heads, w_q_norm)), rope(rows_first(k, kv_heads, w_k_norm)),
         rows_first(v, kv_heads)))
+
+
+def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
+                kv_heads: int, head_dim: int, base: float):
+    """`_pre` over several jobs' rows packed along ``L`` (`x` ``(1, L, hidden)``): `_qkv`
+    and `_heads_packed` -> q, k, v ``(1, heads, L, head_dim)``."""
+    return _heads_packed(_qkv(x, w_norm, w_qkv, eps=eps), positions, w_q_norm, w_k_norm,
+                         eps=eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim, base=base)
 
 
 def _attn_out(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, *, eps: float):
@@ -125,11 +143,18 @@ class GraphForward:
             `model.kernels.gelu.fused_gelu_gate`), run between the compiled `_attn_out` and
             `_mlp_out` where a layer's gate has at least `GATE_KERNEL_MIN` values; else (or
             None) the compiled `_post` computes it.
+        heads: ``heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, eps)`` ->
+            q, k, v, `_heads_packed` of a ``(rows, width)`` projection as a kernel of its
+            own (on CUDA, `model.kernels.qk_norm_rope.qk_norm_rope`), run after the compiled
+            `_qkv` where a chunk's projection has at least `HEADS_KERNEL_MIN` values; else
+            (or None) the compiled `_pre` computes them.
     """
 
     def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None,
-                 gate: Callable[[mx.array], mx.array] | None = None):
-        self.attend, self.attend_fresh, self.gate = attend, attend_fresh, gate
+                 gate: Callable[[mx.array], mx.array] | None = None,
+                 heads: Callable[..., tuple[mx.array, mx.array, mx.array]] | None = None):
+        self.attend, self.attend_fresh, self.gate, self.heads = attend, attend_fresh, gate, heads
+        self._qkv: Callable | None = None
         self._pre: dict[tuple[bool, float], Callable] = {}
         self._post: Callable | None = None
         self._post_halves: tuple[Callable, Callable] | None = None
@@ -142,6 +167,7 @@ class GraphForward:
                 heads=args.num_attention_heads, kv_heads=args.num_key_value_heads,
                 head_dim=args.head_dim, base=base))
         if self._post is None:
+            self._qkv = mx.compile(partial(_qkv, eps=args.rms_norm_eps))
             self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
             self._post_halves = (mx.compile(partial(_attn_out, eps=args.rms_norm_eps)),
                                  mx.compile(partial(_mlp_out, eps=args.rms_norm_eps)))
@@ -165,12 +191,17 @@ class GraphForward:
         args, position = model.args, cache.position
         h = model.embed(inputs)
         offset = mx.array(position, dtype=mx.int32)
+        positions = (None if self.heads is None else
+                     mx.arange(position, position + h.shape[1], dtype=mx.int32))
         for layer, block in enumerate(model.blk):
             a = block.attn
             pre, post = self._compiled(args, a.rope_base)
             w_qkv, w_gate_up = self._stacked(layer, block)
-            q, k, v = pre(h, offset, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
-                          a.attn_k_norm.weight)
+            if self._heads_apply(h, w_qkv, args):
+                q, k, v = self._heads_of(h, positions, block, w_qkv, args)
+            else:
+                q, k, v = pre(h, offset, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
+                              a.attn_k_norm.weight)
             keys, values, mask = cache[layer].update(k, v, position)
             out = self.attend(q, keys, values, a.scale, position, a.window, mask)
             h = self._post_of(post, h, out, block, w_gate_up)
@@ -231,8 +262,11 @@ class GraphForward:
             a = block.attn
             pre, post = self._compiled(args, a.rope_base, packed=True)
             w_qkv, w_gate_up = self._stacked(layer, block)
-            q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
-                          a.attn_k_norm.weight)
+            if self._heads_apply(h, w_qkv, args):
+                q, k, v = self._heads_of(h, rows, block, w_qkv, args)
+            else:
+                q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
+                              a.attn_k_norm.weight)
             layer_caches = [None if c is None else c[layer] for c in caches]
             out = self._attention(a, layer_caches, q, k, v, positions, lengths, fresh, writes)
             h = self._post_of(post, h, out, block, w_gate_up)
@@ -262,6 +296,24 @@ class GraphForward:
             outs.append(self.attend(q[:, :, mine], keys, values, attn.scale, positions[i],
                                     attn.window, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _heads_apply(self, h: mx.array, w_qkv: mx.array, args) -> bool:
+        """Whether a layer's q, k and v of the rows `h` ``(B, L, hidden)`` come from the
+        `heads` kernel: one sequence of rows (B = 1), head dim 256, and a projection of at
+        least `HEADS_KERNEL_MIN` values."""
+        return (self.heads is not None and h.shape[0] == 1 and args.head_dim == 256
+                and h.shape[1] * w_qkv.shape[0] >= HEADS_KERNEL_MIN)
+
+    def _heads_of(self, h: mx.array, positions: mx.array, block, w_qkv: mx.array, args
+                  ) -> tuple[mx.array, mx.array, mx.array]:
+        """The compiled `_qkv` of `h` ``(1, L, hidden)``, then the `heads` kernel at
+        `positions` (int32 ``(L,)``) -> q, k, v ``(1, heads, L, head_dim)``."""
+        a = block.attn
+        qkv = self._qkv(h, block.attn_norm.weight, w_qkv)
+        return self.heads(qkv.reshape(h.shape[1], -1), positions, a.attn_q_norm.weight,
+                          a.attn_k_norm.weight, heads=args.num_attention_heads,
+                          kv_heads=args.num_key_value_heads, base=a.rope_base,
+                          eps=args.rms_norm_eps)
 
     def _post_of(self, post: Callable, h: mx.array, out: mx.array, block,
                  w_gate_up: mx.array) -> mx.array:

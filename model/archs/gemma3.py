@@ -17,7 +17,7 @@ from ..cache_plan import CachePlan, LayerSpec, plan_cache
 from ..gguf.reader import GGUFFile
 from ..gguf.weights import flat_block_name, load_gguf_weights
 from ..kernels import flash_attention as fused
-from ..kernels import gelu
+from ..kernels import gelu, qk_norm_rope
 from ..kernels.flash_attention import applies as fused_attention_applies
 from ..kernels.flash_attention import flash_attention
 from ..kernels.gelu import gelu_gate
@@ -224,7 +224,9 @@ class Model(nn.Module, KVCacheModel, PackedModel):
         if self._graph is None:
             gate = (gelu.fused_gelu_gate if gelu.available()
                     and self.args.intermediate_size % gelu.VECTOR == 0 else None)
-            self._graph = GraphForward(_fused_attend, fused.packed_flash_attention, gate)
+            heads = qk_norm_rope.qk_norm_rope if qk_norm_rope.enabled() else None
+            self._graph = GraphForward(_fused_attend, fused.packed_flash_attention, gate,
+                                       heads)
         return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:

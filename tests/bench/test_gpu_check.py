@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_checks_are_functions_of_a_recorder():
     assert gpu_check.CHECKS == [gpu_check.fused_kernel_4_warps, gpu_check.fused_kernel_8_warps,
                                 gpu_check.fused_kernel_sm90, gpu_check.gelu_gate_kernel,
+                                gpu_check.qk_norm_rope_kernel,
                                 gpu_check.chunked_equals_one_pass,
                                 gpu_check.gemma3_4b_chunked_equals_one_pass,
                                 gpu_check.llama3_8b_chunked_equals_one_pass,

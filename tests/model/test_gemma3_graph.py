@@ -93,6 +93,19 @@ def _packed_logits(model, forward, jobs, chunk, joins=None) -> list[np.ndarray]:
     return [np.array(model.logits(h)[0]) for h in hidden]
 
 
+def _assert_scores_as_alone(model, forward, jobs, chunk, packed):
+    """Each of `jobs` prefilled through `forward` in `chunk`-token chunks, alone or in
+    packed steps with the others, gets the module forward's logits (`GRAPH_BOUND`, top-1)."""
+    if packed:
+        outs = _packed_logits(model, forward, jobs, chunk)
+    else:
+        outs = [_logits(model, ids, chunk, forward) for ids in jobs]
+    for ids, out in zip(jobs, outs, strict=True):
+        ref = _logits(model, ids, chunk)
+        assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
+        assert int(out.argmax()) == int(ref.argmax())
+
+
 def _mlx_gate(gate_up):
     """`GraphForward`'s ``gate`` from MLX's ops (on CUDA, `model.kernels.gelu`'s kernel)."""
     return gelu_gate(*mx.split(gate_up, 2, axis=-1))
@@ -114,20 +127,48 @@ def test_the_gate_between_two_compiled_halves_scores_as_the_one_compiled_post(
     jobs = [[int(t) for t in rng.integers(3, tiny.vocab_size, n)] for n in (40, 23)]
     width = 2 * model.args.intermediate_size
     monkeypatch.setattr(_gemma3_graph, "GATE_KERNEL_MIN", 24 * width // 2)  # 24 rows
-    forward = GraphForward(_mlx_attend, _mlx_attend_fresh, gate)
-    if packed:
-        outs = _packed_logits(model, forward, jobs, 30)
-    else:
-        outs = [_logits(model, ids, 30, forward) for ids in jobs]
-    for ids, out in zip(jobs, outs, strict=True):
-        ref = _logits(model, ids, 30)
-        assert float(np.abs(out - ref).max()) <= GRAPH_BOUND * float(np.abs(ref).max())
-        assert int(out.argmax()) == int(ref.argmax())
+    _assert_scores_as_alone(model, GraphForward(_mlx_attend, _mlx_attend_fresh, gate), jobs,
+                            30, packed)
     assert {s[-1] for s in calls} == {width}
     # one job: its 30-row chunk through the gate, the 10- and 23-row ones inside `_post`;
     # packed: 30 + 23 rows padded to 64, then 10 padded to 32
     rows = {shape[-2] for shape in calls}
     assert rows == ({64, 32} if packed else {30})
+
+
+def _mlx_heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, eps):
+    """`GraphForward`'s ``heads`` from MLX's ops (on CUDA, `model.kernels.qk_norm_rope`)."""
+    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
+    return _gemma3_graph._heads_packed(qkv[None], positions, q_norm, k_norm, eps=eps,
+                                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                       base=base)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-job", "packed"])
+def test_the_heads_after_the_compiled_projection_score_as_the_one_compiled_pre(
+        gemma, monkeypatch, packed):
+    """A chunk whose q/k/v projection reaches `HEADS_KERNEL_MIN` values splits, norms and
+    rotates its heads in the ``heads`` step (a kernel on CUDA) after the compiled `_qkv`;
+    one below it, inside `_pre`. Both give the module forward's logits, positions past the
+    first chunk included."""
+    calls = []
+
+    def heads(qkv, positions, *args, **kwargs):
+        calls.append((qkv.shape[0], int(positions[0])))
+        return _mlx_heads(qkv, positions, *args, **kwargs)
+
+    model, rng = gemma.model, np.random.default_rng(5)
+    jobs = [[2, *[int(t) for t in rng.integers(3, 100_000, n - 1)]] for n in (130, 70)]
+    args = model.args
+    width = (args.num_attention_heads + 2 * args.num_key_value_heads) * args.head_dim
+    monkeypatch.setattr(_gemma3_graph, "HEADS_KERNEL_MIN", 64 * width)  # 64 rows
+    _assert_scores_as_alone(model, GraphForward(_mlx_attend, _mlx_attend_fresh, None, heads),
+                            jobs, 65, packed)
+    # one job: 65 rows at 0 and 65 (130 tokens), 65 at 0 (70 tokens), not the last 5 rows;
+    # packed: 65 + 65 rows padded to 256, then 65 + 5 at 65 padded to 128 (no job is at 0
+    # there, so the padding pseudo-job's rows, at 0, come first)
+    want = [(65, 0), (65, 65), (65, 0)] if not packed else [(256, 0), (128, 0)]
+    assert sorted(calls) == sorted(want * args.num_hidden_layers)
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["job-by-job", "fresh-in-one-call"])
