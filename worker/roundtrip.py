@@ -33,8 +33,8 @@ class Departures:
     """Jobs that left worker `worker` and are not forgotten in Redis yet: their ids leave its
     held jobs (``keys.worker_jobs``, the reaper's list) and the ended ones are counted
     (`jobs.stats`). A step's scripts decide whether a job ends, so the jobs they end are
-    forgotten in the next round trip (`Probe.departed`) or, when none follows, on their own
-    (`write`): one round trip a step also when jobs end.
+    forgotten in the next round trip (`Probe.departed`) or, when none follows, in one of
+    their own (`send`): one round trip a step also when jobs end.
 
     Attributes:
         job_ids: jobs to remove from the held set (a hand-back parked for later is not).
