@@ -56,6 +56,12 @@ def fused_kernel_sm90(rec: Recorder) -> bool:
     return kernel_check(rec, hopper=True) and packed_check(rec, hopper=True)
 
 
+def _relative_diff(got: mx.array, ref: mx.array) -> float:
+    """max |got - ref| / max |ref| in float32."""
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return float(mx.abs(got - ref).max()) / float(mx.abs(ref).max())
+
+
 # `gelu.fused_gelu_gate` against float32: it rounds once to bf16, half a step (2^-9
 # relative), plus tanhf's own error; one step (2^-8) is the bound. Against MLX's compiled bf16
 # `gelu_gate`, which rounds after each of its ops, two steps of the largest value.
@@ -77,8 +83,7 @@ def gelu_gate_kernel(rec: Recorder) -> bool:
         mlx = mx.compile(gelu.gelu_gate)(*mx.split(gate_up, 2, axis=-1)).astype(mx.float32)
         over = mx.abs(got - exact) - (GATE_F32_BOUND * mx.abs(exact) + 2.0 ** -20)
         rel_f32 = float((mx.abs(got - exact) / mx.maximum(mx.abs(exact), 2.0 ** -12)).max())
-        scale = float(mx.abs(mlx).max())
-        diff_mlx = float(mx.abs(got - mlx).max()) / scale
+        diff_mlx = _relative_diff(got, mlx)
         passed = float(over.max()) <= 0 and diff_mlx <= GATE_MLX_BOUND
         rec("gelu_gate_kernel_check", diff_mlx, "max|diff|/max|value| vs MLX bf16",
             ceiling=GATE_MLX_BOUND, passed=passed, rows=rows, intermediate=inter,
@@ -92,12 +97,6 @@ def gelu_gate_kernel(rec: Recorder) -> bool:
 # order, so a value may land one bf16 step off; two steps of the largest is the bound. V is
 # copied, so equal.
 HEADS_BOUND = 2.0 ** -7
-
-
-def _relative_diff(got: mx.array, ref: mx.array) -> float:
-    """max |got - ref| / max |ref| in float32."""
-    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
-    return float(mx.abs(got - ref).max()) / float(mx.abs(ref).max())
 
 
 def qk_norm_rope_kernel(rec: Recorder) -> bool:

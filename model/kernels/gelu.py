@@ -6,7 +6,7 @@ halves of one matmul's output (`model.archs._gemma3_graph`). MLX's compiled elem
 kernel over the two strided halves moves 1.1-1.2 TB/s on an H100 at Gemma 3 4B's shapes
 (2,048 rows of 2 x 10,240 bf16); this kernel reads eight values of each half and writes
 eight with one 16-byte access each, 2.6-2.9 TB/s (48 vs 112 us at 2,048 rows, 172 vs 416 at
-8,192; docs/benchmarks.md, "Where Gemma 3 4B's time goes: a kernel profile").
+8,192; docs/benchmarks.md, "The GELU gate as a kernel of its own").
 """
 
 from __future__ import annotations
@@ -92,9 +92,7 @@ def fused_gelu_gate(gate_up: mx.array) -> mx.array:
         raise ValueError(f"fused_gelu_gate takes bf16 (..., 2 * I) with I a multiple of {VECTOR} "
                          f"on a CUDA GPU, not {gate_up.dtype} {gate_up.shape}")
     *lead, width = gate_up.shape
-    half, rows = width // 2, 1
-    for n in lead:
-        rows *= n
+    half, rows = width // 2, gate_up.size // width
     threads = rows * half // VECTOR
     return _kernel()(inputs=[gate_up], template=[("I", half), ("ROWS", rows)],
                    grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
