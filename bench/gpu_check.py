@@ -8,6 +8,7 @@ appending it to `CHECKS`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -102,32 +103,32 @@ HEADS_BOUND = 2.0 ** -7
 def qk_norm_rope_kernel(rec: Recorder) -> bool:
     """`qk_norm_rope.qk_norm_rope` against MLX's compiled `_heads_packed` on Gemma 3 4B's
     heads (8 over 4) at 2,048 rows past 30,000 (RoPE's large angles) and on 270M's (4 over
-    1) at 37 rows from 0, both RoPE bases: q and k within `HEADS_BOUND` x max |value|, v
-    equal."""
+    1) at 37 rows from 0, both RoPE bases (the global one also at 4B's linear scale, 1/8):
+    q and k within `HEADS_BOUND` x max |value|, v equal."""
     ok = True
     for heads, kv, rows, first in ((8, 4, 2048, 30_000), (4, 1, 37, 0)):
-        for base in (10_000.0, 1_000_000.0):
+        for base, scale in ((10_000.0, 1.0), (1_000_000.0, 1.0), (1_000_000.0, 0.125)):
             mx.random.seed(SEED)
             qkv = (mx.random.normal((rows, (heads + 2 * kv) * 256)) * 2).astype(mx.bfloat16)
             w_q, w_k = (mx.random.uniform(0.5, 1.5, (256,)).astype(mx.bfloat16) for _ in "qk")
             positions = mx.arange(first, first + rows, dtype=mx.int32)
             try:
                 got = qk_norm_rope.qk_norm_rope(qkv, positions, w_q, w_k, heads=heads,
-                                                kv_heads=kv, base=base, eps=1e-6)
+                                                kv_heads=kv, base=base, scale=scale, eps=1e-6)
                 mx.eval(got)
             except Exception as error:  # a kernel that does not build fails its check only
                 rec("qk_norm_rope_kernel_check", float("nan"), "max|diff|/max|value| vs MLX",
                     ceiling=HEADS_BOUND, passed=False, heads=heads, kv_heads=kv, rows=rows,
-                    base=base, error=f"{type(error).__name__}: {error}"[:400])
+                    base=base, scale=scale, error=f"{type(error).__name__}: {error}"[:400])
                 return False
-            ref = mx.compile(lambda x, p, a, b, base=base, heads=heads, kv=kv: _heads_packed(
-                x[None], p, a, b, eps=1e-6, heads=heads, kv_heads=kv, head_dim=256,
-                base=base))(qkv, positions, w_q, w_k)
+            ref = mx.compile(partial(_heads_packed, eps=1e-6, heads=heads, kv_heads=kv,
+                                     head_dim=256, base=base, scale=scale))(
+                qkv[None], positions, w_q, w_k)
             diffs = [_relative_diff(g, r) for g, r in zip(got, ref, strict=True)]
             passed = diffs[0] <= HEADS_BOUND and diffs[1] <= HEADS_BOUND and diffs[2] == 0
             rec("qk_norm_rope_kernel_check", max(diffs[:2]), "max|diff|/max|value| vs MLX",
                 ceiling=HEADS_BOUND, passed=passed, heads=heads, kv_heads=kv, rows=rows,
-                first_position=first, base=base, q_diff=diffs[0], k_diff=diffs[1],
+                first_position=first, base=base, scale=scale, q_diff=diffs[0], k_diff=diffs[1],
                 v_diff=diffs[2])
             ok = ok and passed
     return ok

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..gguf.reader import GGUFFile
+from ..gguf.reader import GGUFError, GGUFFile
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,21 @@ def gguf_sizes(gguf: GGUFFile) -> dict[str, Any]:
         "rms_norm_eps": float(gguf.require(a + "attention.layer_norm_rms_epsilon")),
         "context_length": int(gguf.require(a + "context_length")),
     }
+
+
+def rope_scale(gguf: GGUFFile) -> float:
+    """The position scale of llama.cpp's ``rope_freq_scale_train``: 1 / ``rope.scaling.factor``
+    (or the older ``rope.scale_linear``) for linear scaling, its default type; 1 for none.
+
+    Raises:
+        GGUFError: another scaling type (yarn, longrope) is declared.
+    """
+    kind = str(gguf.arch_key("rope.scaling.type", "linear"))
+    if kind == "none":
+        return 1.0
+    if kind != "linear":
+        raise GGUFError(f"{gguf.path.name}: rope scaling type {kind!r} is not supported "
+                        "(none, linear, or Llama 3's rope_freqs tensor)")
+    factor = float(gguf.arch_key("rope.scaling.factor", 0.0) or
+                   gguf.arch_key("rope.scale_linear", 0.0) or 0.0)
+    return 1.0 / factor if factor else 1.0

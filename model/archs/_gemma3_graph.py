@@ -54,9 +54,9 @@ def _qkv(x, w_norm, w_qkv, *, eps: float):
 
 
 def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
-         kv_heads: int, head_dim: int, base: float):
-    """`_qkv`, q/k norms and RoPE at an array `offset` (one trace serves every position)
-    -> q, k, v ``(B, heads, L, head_dim)``."""
+         kv_heads: int, head_dim: int, base: float, scale: float):
+    """`_qkv`, q/k norms and RoPE (`base`, positions times `scale`) at an array `offset`
+    (one trace serves every position) -> q, k, v ``(B, heads, L, head_dim)``."""
     B, L, _ = x.shape
     qkv = _qkv(x, w_norm, w_qkv, eps=eps)
     q, k, v = mx.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
@@ -65,14 +65,14 @@ def _pre(x, offset, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int
         y = y.reshape(B, L, n, head_dim)
         return (y if w_n is None else mx.fast.rms_norm(y, w_n, eps)).transpose(0, 2, 1, 3)
 
-    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=1.0,
+    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=scale,
                    offset=offset)
     return (rope(heads_first(q, heads, w_q_norm)), rope(heads_first(k, kv_heads, w_k_norm)),
             heads_first(v, kv_heads))
 
 
 def _heads_packed(qkv, positions, w_q_norm, w_k_norm, *, eps: float, heads: int,
-                  kv_heads: int, head_dim: int, base: float):
+                  kv_heads: int, head_dim: int, base: float, scale: float):
     """The fused projection `qkv` ``(1, L, width)`` of rows packed along ``L`` split into
     heads, q and k normed and each row rotated at its own position (`positions`, int32
     ``(L,)``): the rows become RoPE's batch, whose per-batch offsets MLX takes, so a row is
@@ -85,7 +85,7 @@ def _heads_packed(qkv, positions, w_q_norm, w_k_norm, *, eps: float, heads: int,
         y = y.reshape(L, n, 1, head_dim)
         return y if w_n is None else mx.fast.rms_norm(y, w_n, eps)
 
-    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=1.0,
+    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=base, scale=scale,
                    offset=positions)
     return tuple(y.transpose(2, 1, 0, 3) for y in (  # (1, n, L, head_dim)
         rope(rows_first(q, heads, w_q_norm)), rope(rows_first(k, kv_heads, w_k_norm)),
@@ -93,11 +93,12 @@ def _heads_packed(qkv, positions, w_q_norm, w_k_norm, *, eps: float, heads: int,
 
 
 def _pre_packed(x, positions, w_norm, w_qkv, w_q_norm, w_k_norm, *, eps: float, heads: int,
-                kv_heads: int, head_dim: int, base: float):
+                kv_heads: int, head_dim: int, base: float, scale: float):
     """`_pre` over several jobs' rows packed along ``L`` (`x` ``(1, L, hidden)``): `_qkv`
     and `_heads_packed` -> q, k, v ``(1, heads, L, head_dim)``."""
     return _heads_packed(_qkv(x, w_norm, w_qkv, eps=eps), positions, w_q_norm, w_k_norm,
-                         eps=eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim, base=base)
+                         eps=eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim, base=base,
+                         scale=scale)
 
 
 def _attn_out(x, attn, w_o, w_post_attn, w_ffn_norm, w_gate_up, *, eps: float):
@@ -143,7 +144,8 @@ class GraphForward:
             `model.kernels.gelu.fused_gelu_gate`), run between the compiled `_attn_out` and
             `_mlp_out` where a layer's gate has at least `GATE_KERNEL_MIN` values; else (or
             None) the compiled `_post` computes it.
-        heads: ``heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, eps)`` ->
+        heads: ``heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, scale, eps)``
+            ->
             q, k, v, `_heads_packed` of a ``(rows, width)`` projection as a kernel of its
             own (on CUDA, `model.kernels.qk_norm_rope.qk_norm_rope`), run after the compiled
             `_qkv` where a chunk's projection has at least `HEADS_KERNEL_MIN` values; else
@@ -155,23 +157,26 @@ class GraphForward:
                  heads: Callable[..., tuple[mx.array, mx.array, mx.array]] | None = None):
         self.attend, self.attend_fresh, self.gate, self.heads = attend, attend_fresh, gate, heads
         self._qkv: Callable | None = None
-        self._pre: dict[tuple[bool, float], Callable] = {}
+        self._pre: dict[tuple[bool, float, float], Callable] = {}
         self._post: Callable | None = None
         self._post_halves: tuple[Callable, Callable] | None = None
         self._weights: dict[int, tuple[mx.array, mx.array]] = {}
 
-    def _compiled(self, args, base: float, packed: bool = False):
-        if (packed, base) not in self._pre:
-            self._pre[packed, base] = mx.compile(partial(
+    def _compiled(self, args, attn, packed: bool = False):
+        """(`_pre` or `_pre_packed`, `_post`) compiled, the first for the RoPE of layer
+        attention `attn` (its base and scale)."""
+        key = packed, attn.rope_base, attn.rope_scale
+        if key not in self._pre:
+            self._pre[key] = mx.compile(partial(
                 _pre_packed if packed else _pre, eps=args.rms_norm_eps,
                 heads=args.num_attention_heads, kv_heads=args.num_key_value_heads,
-                head_dim=args.head_dim, base=base))
+                head_dim=args.head_dim, base=attn.rope_base, scale=attn.rope_scale))
         if self._post is None:
             self._qkv = mx.compile(partial(_qkv, eps=args.rms_norm_eps))
             self._post = mx.compile(partial(_post, eps=args.rms_norm_eps))
             self._post_halves = (mx.compile(partial(_attn_out, eps=args.rms_norm_eps)),
                                  mx.compile(partial(_mlp_out, eps=args.rms_norm_eps)))
-        return self._pre[packed, base], self._post
+        return self._pre[key], self._post
 
     def _stacked(self, layer: int, block) -> tuple[mx.array, mx.array]:
         """Layer `layer`'s q, k, v weights stacked into one matrix, and gate and up into
@@ -195,7 +200,7 @@ class GraphForward:
                      mx.arange(position, position + h.shape[1], dtype=mx.int32))
         for layer, block in enumerate(model.blk):
             a = block.attn
-            pre, post = self._compiled(args, a.rope_base)
+            pre, post = self._compiled(args, a)
             w_qkv, w_gate_up = self._stacked(layer, block)
             if self._heads_apply(h, w_qkv, args):
                 q, k, v = self._heads_of(h, positions, block, w_qkv, args)
@@ -260,7 +265,7 @@ class GraphForward:
         h = model.embed(mx.concatenate(inputs)[None])
         for layer, block in enumerate(model.blk):
             a = block.attn
-            pre, post = self._compiled(args, a.rope_base, packed=True)
+            pre, post = self._compiled(args, a, packed=True)
             w_qkv, w_gate_up = self._stacked(layer, block)
             if self._heads_apply(h, w_qkv, args):
                 q, k, v = self._heads_of(h, rows, block, w_qkv, args)
@@ -313,6 +318,7 @@ class GraphForward:
         return self.heads(qkv.reshape(h.shape[1], -1), positions, a.attn_q_norm.weight,
                           a.attn_k_norm.weight, heads=args.num_attention_heads,
                           kv_heads=args.num_key_value_heads, base=a.rope_base,
+                          scale=a.rope_scale,
                           eps=args.rms_norm_eps)
 
     def _post_of(self, post: Callable, h: mx.array, out: mx.array, block,

@@ -23,7 +23,7 @@ from ..kernels.flash_attention import flash_attention
 from ..kernels.gelu import gelu_gate
 from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
-from ._args import DecoderArgs, gguf_sizes
+from ._args import DecoderArgs, gguf_sizes, rope_scale
 from ._attention import cache_attention
 from ._gemma3_graph import GraphForward
 from ._packed import PackedModel, ProjectedAttention
@@ -33,6 +33,10 @@ ARCHITECTURE = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0
 # llama.cpp sets the SWA pattern for Gemma 3 to 6: layer i is global iff (i + 1) % 6 == 0.
 SLIDING_WINDOW_PATTERN = 6
+# Gemma 3 27B's block count: llama.cpp (`LLM_TYPE_27B`) scales its queries by
+# 1/sqrt(hidden / heads) (its ``query_pre_attn_scalar``, 168), every other size by
+# 1/sqrt(head_dim); the GGUF does not carry the scalar.
+GEMMA3_27B_LAYERS = 62
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,22 @@ class ModelArgs(DecoderArgs):
     sliding_window: int
     rope_local_base_freq: float = LOCAL_ROPE_BASE
     sliding_window_pattern: int = SLIDING_WINDOW_PATTERN
+    # global layers' positions are multiplied by it (linear scaling, 1 / factor: 1/8 in 4B,
+    # 12B and 27B); llama.cpp keeps sliding layers at 1 (``rope_freq_scale_train_swa``)
+    rope_scale: float = 1.0
+    query_pre_attn_scalar: float = 0.0  # 0: head_dim
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelArgs:
-        """Read ``gemma3.*`` metadata. Raises GGUFError naming a missing key."""
+        """Read ``gemma3.*`` metadata as llama.cpp's Gemma 3 loader does.
+
+        Raises:
+            GGUFError: naming a missing key, or a RoPE scaling type other than linear/none.
+        """
         a = f"{ARCHITECTURE}."
         n_heads = int(gguf.require(a + "attention.head_count"))
         sizes = gguf_sizes(gguf)
+        big = sizes["num_hidden_layers"] == GEMMA3_27B_LAYERS
         return cls(
             **sizes,
             num_attention_heads=n_heads,
@@ -55,6 +68,8 @@ class ModelArgs(DecoderArgs):
                                            sizes["hidden_size"] // n_heads)),
             sliding_window=int(gguf.require(a + "attention.sliding_window")),
             rope_theta=float(gguf.metadata.get(a + "rope.freq_base", 1_000_000.0)),
+            rope_scale=rope_scale(gguf),
+            query_pre_attn_scalar=sizes["hidden_size"] / n_heads if big else 0.0,
         )
 
     def is_sliding(self, layer: int) -> bool:
@@ -76,9 +91,11 @@ class Attention(nn.Module, ProjectedAttention):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = args.head_dim
-        # llama.cpp: 1/sqrt(head_dim) for every size but 27B (query_pre_attn_scalar = head_dim).
-        self.scale = args.head_dim**-0.5
-        self.rope_base = args.rope_local_base_freq if args.is_sliding(layer) else args.rope_theta
+        # llama.cpp: 1/sqrt(head_dim) for every size but 27B (`GEMMA3_27B_LAYERS`)
+        self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+        sliding = args.is_sliding(layer)
+        self.rope_base = args.rope_local_base_freq if sliding else args.rope_theta
+        self.rope_scale = 1.0 if sliding else args.rope_scale
         self.window = args.sliding_window if args.is_sliding(layer) else None
         hd = args.head_dim
         self.attn_q = nn.Linear(args.hidden_size, self.n_heads * hd, bias=False)
@@ -98,10 +115,10 @@ class Attention(nn.Module, ProjectedAttention):
         k = self.attn_k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         # (B, heads, L, head_dim); NEOX-style rotation, i.e. MLX's traditional=False
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
-                         offset=position)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
-                         offset=position)
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base,
+                         scale=self.rope_scale, offset=position)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base,
+                         scale=self.rope_scale, offset=position)
         keys, values, mask = cache.update(k, v, position)
         out = self.core(q, keys, values, mask, position)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)

@@ -18,7 +18,7 @@ from ..gguf.reader import GGUFError, GGUFFile
 from ..gguf.weights import flat_block_name, load_gguf_weights, unused_tensors
 from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
-from ._args import DecoderArgs, gguf_sizes
+from ._args import DecoderArgs, gguf_sizes, rope_scale
 from ._attention import cache_attention
 from ._packed import PackedModel, ProjectedAttention
 
@@ -70,7 +70,7 @@ class ModelArgs(DecoderArgs):
             head_dim=head_dim,
             rope_theta=float(gguf.arch_key("rope.freq_base", 10_000.0)),  # llama.cpp's default
             rope_traditional=arch not in NEOX_ARCHITECTURES,
-            rope_scale=_rope_scale(gguf),
+            rope_scale=rope_scale(gguf),
             rope_freqs=has(ROPE_FREQS),
             attention_bias=has("blk.0.attn_q.bias"),
             output_bias=has("blk.0.attn_output.bias"),
@@ -115,24 +115,6 @@ def _heads(gguf: GGUFFile) -> tuple[int, int, int]:
     if n_kv_heads < 1 or n_heads % n_kv_heads:
         raise GGUFError(f"{name}: {n_heads} query heads do not group over {n_kv_heads} KV heads")
     return n_heads, n_kv_heads, head_dim
-
-
-def _rope_scale(gguf: GGUFFile) -> float:
-    """The position scale of llama.cpp's ``rope_freq_scale_train``: 1 / ``rope.scaling.factor``
-    (or the older ``rope.scale_linear``) for linear scaling, its default type; 1 for none.
-
-    Raises:
-        GGUFError: another scaling type (yarn, longrope) is declared.
-    """
-    kind = str(gguf.arch_key("rope.scaling.type", "linear"))
-    if kind == "none":
-        return 1.0
-    if kind != "linear":
-        raise GGUFError(f"{gguf.path.name}: rope scaling type {kind!r} is not supported "
-                        "(none, linear, or Llama 3's rope_freqs tensor)")
-    factor = float(gguf.arch_key("rope.scaling.factor", 0.0) or
-                   gguf.arch_key("rope.scale_linear", 0.0) or 0.0)
-    return 1.0 / factor if factor else 1.0
 
 
 def _sliding_layers(gguf: GGUFFile, n_layers: int) -> tuple[bool, ...]:

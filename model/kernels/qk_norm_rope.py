@@ -64,7 +64,7 @@ SOURCE = """
         }
         #pragma unroll
         for (int j = 0; j < 8; ++j) p[j] = __shfl_xor_sync(0xffffffffu, y[j], 16);
-        const float pos = static_cast<float>(positions[row]);
+        const float pos = SCALE * static_cast<float>(positions[row]);
         #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const float d = static_cast<float>((lane & 15) * 8 + j) / 128.0f;
@@ -99,7 +99,7 @@ def enabled() -> bool:
 
 
 def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: mx.array, *,
-                 heads: int, kv_heads: int, base: float, eps: float
+                 heads: int, kv_heads: int, base: float, scale: float = 1.0, eps: float
                  ) -> tuple[mx.array, mx.array, mx.array]:
     """Split a fused q/k/v projection into head-major Q, K and V, Q and K each normed per
     head and rotated at its row's position.
@@ -108,9 +108,10 @@ def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: m
     `k_norm`): RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` (Zhang and Sennrich,
     arXiv:1910.07467; Gemma 3's per-head Q/K norms), RoPE in its non-interleaved form, the
     halves ``(x1, x2)`` of a head rotated to ``(x1 cos - x2 sin, x1 sin + x2 cos)`` by
-    ``position * base^(-2i / D)`` (Su et al., arXiv:2104.09864; MLX's ``fast.rope`` with
-    ``traditional=False``), which `model.archs._gemma3_graph._heads_packed` computes with
-    MLX's ops (`bench.gpu_check.qk_norm_rope_kernel` checks the two agree).
+    ``scale * position * base^(-2i / D)`` (Su et al., arXiv:2104.09864; MLX's
+    ``fast.rope`` with ``traditional=False``), which
+    `model.archs._gemma3_graph._heads_packed` computes with MLX's ops
+    (`bench.gpu_check.qk_norm_rope_kernel` checks the two agree).
 
     Args:
         qkv: bf16 ``(rows, (heads + 2 kv_heads) * 256)``, row-contiguous (made so if not).
@@ -118,6 +119,8 @@ def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: m
         q_norm, k_norm: the norms' weights, ``(256,)``.
         heads, kv_heads: query and key/value heads.
         base: RoPE's base (Gemma 3: 10,000 in sliding layers, 1,000,000 in global ones).
+        scale: positions are multiplied by it (linear RoPE scaling, 1 / factor: Gemma 3
+            4B and larger, global layers, 1/8).
         eps: the norms' epsilon.
     Returns:
         q, k, v: bf16 ``(1, heads, rows, 256)``, ``(1, kv_heads, rows, 256)`` twice.
@@ -130,7 +133,8 @@ def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: m
                          f"{qkv.dtype} {qkv.shape}")
     rows = qkv.shape[0]
     threads = rows * (heads + 2 * kv_heads) * 32
-    q, k, v = _kernel(float(eps), float(np.float32(np.log2(np.float32(base)))))(
+    q, k, v = _kernel(float(eps), float(np.float32(np.log2(np.float32(base)))),
+                      float(np.float32(scale)))(
         inputs=[qkv, positions.astype(mx.int32), q_norm, k_norm],
         template=[("H", heads), ("KV", kv_heads)],
         grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
@@ -141,9 +145,10 @@ def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: m
 
 
 @cache
-def _kernel(eps: float, log2_base: float):
-    """The kernel for one (eps, log2(base)): both are constants of its source (and name)."""
-    header = HEADER + f"#define EPS {eps!r}f\n#define LOG2_BASE {log2_base!r}f\n"
+def _kernel(eps: float, log2_base: float, scale: float):
+    """The kernel for one (eps, log2(base), scale): constants of its source (and name)."""
+    header = HEADER + (f"#define EPS {eps!r}f\n#define LOG2_BASE {log2_base!r}f\n"
+                       f"#define SCALE {scale!r}f\n")
     return mx.fast.cuda_kernel(
         name=f"prefillq_qk_norm_rope_{source_tag(header, SOURCE)}",
         input_names=["qkv", "positions", "q_norm", "k_norm"], output_names=["q", "k", "v"],

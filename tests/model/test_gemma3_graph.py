@@ -136,12 +136,12 @@ def test_the_gate_between_two_compiled_halves_scores_as_the_one_compiled_post(
     assert rows == ({64, 32} if packed else {30})
 
 
-def _mlx_heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, eps):
+def _mlx_heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, scale, eps):
     """`GraphForward`'s ``heads`` from MLX's ops (on CUDA, `model.kernels.qk_norm_rope`)."""
     head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
     return _gemma3_graph._heads_packed(qkv[None], positions, q_norm, k_norm, eps=eps,
                                        heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                       base=base)
+                                       base=base, scale=scale)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-job", "packed"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 
 from ...tokenizer.vocab import (
     TOKEN_TYPE_BYTE,
@@ -95,12 +95,15 @@ def write_tiny_gemma3(
     sliding_window: int = 16,
     context_length: int = 4096,
     vocab_size: int | None = None,
+    rope_scaling_factor: float = 0.0,
 ) -> Path:
     """Write a random-weight Gemma 3 GGUF (5 local layers then 1 global per 6) to `path`.
 
     Weights are float32 and scaled so activations stay O(1) through the layers; the same
     arguments give the same bytes. `vocab_size` pads the tiny vocabulary with unused
     tokens (a real model's embedding and output head at the tiny one's tokenizer).
+    `rope_scaling_factor` (0: none) writes linear RoPE scaling as llama.cpp's converter does
+    for Gemma 3 4B and larger (factor 8).
     """
     writer = GGUFWriter(str(path), "gemma3")
     writer.add_name(GEMMA3_TINY_NAME)
@@ -115,6 +118,9 @@ def write_tiny_gemma3(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_sliding_window(sliding_window)
+    if rope_scaling_factor:
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling_factor)
     vocab = _add_tokenizer(writer, vocab_size)
     init = RandomInit(seed)
     writer.add_tensor("token_embd.weight", init.linear(vocab, hidden) * 0.5)
