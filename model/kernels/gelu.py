@@ -27,7 +27,7 @@ THREADS = 256
 
 SOURCE = """
     size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= (size_t)ROWS * (I / 8)) return;
+    if (t >= (size_t)gate_up_shape[0] * (I / 8)) return;
     size_t row = t / (I / 8), col = (t % (I / 8)) * 8;
     const __nv_bfloat16* g = gate_up + row * 2 * I + col;
     const uint4 gv = *reinterpret_cast<const uint4*>(g);
@@ -94,9 +94,12 @@ def fused_gelu_gate(gate_up: mx.array) -> mx.array:
     *lead, width = gate_up.shape
     half, rows = width // 2, gate_up.size // width
     threads = rows * half // VECTOR
-    return _kernel()(inputs=[gate_up], template=[("I", half), ("ROWS", rows)],
-                   grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-                   output_shapes=[(*lead, half)], output_dtypes=[mx.bfloat16])[0]
+    # the row count is read from the input's shape, not a template constant: one compile
+    # for every chunk length
+    out = _kernel()(inputs=[gate_up.reshape(rows, width)], template=[("I", half)],
+                    grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+                    output_shapes=[(rows, half)], output_dtypes=[mx.bfloat16])[0]
+    return out.reshape(*lead, half)
 
 
 @cache
