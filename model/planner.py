@@ -9,8 +9,11 @@ DeepSeek-V4 windows of 128 and 4 Gemma 3 windows of 512.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 
 DEFAULT_CHUNK_TOKENS = 2048
 # The last tokens of a prompt are the ones a chat template rewrites on the next turn; the
@@ -79,26 +82,26 @@ class ChunkPlan:
     recovery_position: int
     start: int = 0
 
-    @property
+    @cached_property
     def boundaries(self) -> tuple[int, ...]:
-        """Cache positions after each chunk; the last is ``n_tokens``."""
-        out, total = [], self.start
-        for size in self.chunk_sizes:
-            total += size
-            out.append(total)
-        return tuple(out)
+        """Cache positions after each chunk; the last is ``n_tokens``. Computed once: a
+        worker asks for the next chunk several times a step, and a long prompt in small
+        chunks made that quadratic in its chunks."""
+        return tuple(accumulate(self.chunk_sizes, initial=self.start))[1:]
 
     def next_chunk(self, cursor: int) -> tuple[int, int]:
-        """``(start, end)`` of the chunk that begins at `cursor`.
+        """``(start, end)`` of the chunk that begins at `cursor` (a binary search of the
+        boundaries).
 
         Raises:
             ValueError: `cursor` is not a chunk boundary of this plan, or the prefill is done.
         """
-        start = self.start
-        for end in self.boundaries:
-            if start == cursor:
-                return start, end
-            start = end
+        ends = self.boundaries
+        if cursor == self.start and ends:
+            return cursor, ends[0]
+        i = bisect_left(ends, cursor)
+        if i + 1 < len(ends) and ends[i] == cursor:
+            return cursor, ends[i + 1]
         raise ValueError(f"cursor {cursor} is not a pending chunk boundary of {self}")
 
     @classmethod

@@ -4,6 +4,8 @@ and prefill verifier), then `plan_chunks` on top of them."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from model.planner import (
     DEFAULT_CHUNK_TOKENS,
@@ -178,6 +180,24 @@ def test_next_chunk_raises_off_a_pending_boundary(cursor):
     plan = plan_chunks(20, GEMMA_WINDOW, chunk_tokens=7)
     with pytest.raises(ValueError):
         plan.next_chunk(cursor)
+
+
+@given(start=st.integers(0, 50), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+       probe=st.integers(-5, 500))
+def test_next_chunk_maps_each_pending_boundary_to_the_next(start, sizes, probe):
+    """Every chunk's start gives that chunk; any other cursor (inside a chunk, the end,
+    outside the plan) raises."""
+    ends, total = [], start
+    for size in sizes:
+        total += size
+        ends.append(total)
+    plan = ChunkPlan.from_boundaries(total, ends, start=start)
+    starts = [start, *ends[:-1]]
+    for first, end in zip(starts, ends, strict=True):
+        assert plan.next_chunk(first) == (first, end)
+    if probe not in starts:
+        with pytest.raises(ValueError):
+            plan.next_chunk(probe)
 
 
 @pytest.mark.parametrize("n", [0, -1])
