@@ -96,7 +96,7 @@ class Attention(nn.Module, ProjectedAttention):
         sliding = args.is_sliding(layer)
         self.rope_base = args.rope_local_base_freq if sliding else args.rope_theta
         self.rope_scale = 1.0 if sliding else args.rope_scale
-        self.window = args.sliding_window if args.is_sliding(layer) else None
+        self.window = args.sliding_window if sliding else None
         hd = args.head_dim
         self.attn_q = nn.Linear(args.hidden_size, self.n_heads * hd, bias=False)
         self.attn_k = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=False)
