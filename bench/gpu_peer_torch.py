@@ -164,21 +164,27 @@ def hf_config(shapes: dict):
 
 
 def _gemma3_config(shapes: dict):
+    """``Gemma3TextConfig`` at `shapes`: the global layers' RoPE linearly scaled where
+    prefillq's ``rope_scale`` is not 1 (HF's ``rope_parameters["full_attention"]``, as the
+    4B and larger configs carry it), the query scale from ``query_pre_attn_scalar`` (27B)."""
     from transformers import Gemma3TextConfig
 
     a = shapes
+    full = {"rope_type": "default", "rope_theta": a["rope_theta"]}
+    if a.get("rope_scale", 1.0) != 1.0:
+        full = {**full, "rope_type": "linear", "factor": 1.0 / a["rope_scale"]}
     return Gemma3TextConfig(
         vocab_size=a["vocab_size"], hidden_size=a["hidden_size"],
         intermediate_size=a["intermediate_size"], num_hidden_layers=a["num_hidden_layers"],
         num_attention_heads=a["num_attention_heads"],
         num_key_value_heads=a["num_key_value_heads"], head_dim=a["head_dim"],
         rms_norm_eps=a["rms_norm_eps"], sliding_window=a["sliding_window"],
-        query_pre_attn_scalar=a["head_dim"],  # prefillq's scale is head_dim ** -0.5
+        query_pre_attn_scalar=a.get("query_pre_attn_scalar") or a["head_dim"],
         max_position_embeddings=a["context_length"], hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
         layer_types=["sliding_attention" if s else "full_attention" for s in a["sliding"]],
         rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": a["rope_theta"]},
+            "full_attention": full,
             "sliding_attention": {"rope_type": "default",
                                   "rope_theta": a["rope_local_base_freq"]}})
 

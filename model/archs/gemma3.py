@@ -47,7 +47,7 @@ class ModelArgs(DecoderArgs):
     # global layers' positions are multiplied by it (linear scaling, 1 / factor: 1/8 in 4B,
     # 12B and 27B); llama.cpp keeps sliding layers at 1 (``rope_freq_scale_train_swa``)
     rope_scale: float = 1.0
-    query_pre_attn_scalar: float = 0.0  # 0: head_dim
+    query_pre_attn_scalar: int = 0  # 0: head_dim
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelArgs:
@@ -69,7 +69,7 @@ class ModelArgs(DecoderArgs):
             sliding_window=int(gguf.require(a + "attention.sliding_window")),
             rope_theta=float(gguf.metadata.get(a + "rope.freq_base", 1_000_000.0)),
             rope_scale=rope_scale(gguf),
-            query_pre_attn_scalar=sizes["hidden_size"] / n_heads if big else 0.0,
+            query_pre_attn_scalar=sizes["hidden_size"] // n_heads if big else 0,
         )
 
     def is_sliding(self, layer: int) -> bool:

@@ -11,8 +11,10 @@ import pytest
 
 from bench import gpu_peer_torch, gpu_peers
 from bench.common import Recorder
-from bench.gpu_peers import HF_SDPA, TORCH_SDPA, Child
+from bench.gpu_peers import HF_SDPA, TORCH_SDPA, Child, shapes_of
 from tests.bench.tiny_gemma import (
+    TINY,
+    TINY_SCALED,
     TINY_SHAPES,
     N,
     assert_computes_prefillq,
@@ -28,12 +30,17 @@ def test_scores_fit_only_within_the_share_of_free_memory():
     assert gpu_peer_torch.scores_fit(4, 32_768, free_bytes=int(need / 0.8) + 1)
 
 
+@pytest.mark.parametrize("args", [TINY, TINY_SCALED], ids=["tiny", "scaled"])
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention", "eager"])
-def test_hf_prefills_the_same_function_as_prefillq(attn):
+def test_hf_prefills_the_same_function_as_prefillq(attn, args):
+    """HF's Gemma 3 with prefillq's weights gives prefillq's logits, also with the global
+    layer's RoPE linearly scaled and 27B's kind of query scale (HF applies its
+    ``full_attention`` RoPE parameters to the global layers only, as llama.cpp does)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    ours = prefillq_tiny()
-    peer = gpu_peer_torch.hf_model(attn, TINY_SHAPES, device="cpu", dtype=torch.float32)
+    ours = prefillq_tiny(args)
+    peer = gpu_peer_torch.hf_model(attn, shapes_of(args, "gemma3 tiny"), device="cpu",
+                                   dtype=torch.float32)
     assert type(peer).__name__ == "Gemma3ForCausalLM"
     assert peer.config._attn_implementation == attn
     missing, unexpected = peer.load_state_dict(

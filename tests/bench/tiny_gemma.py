@@ -4,6 +4,7 @@ each peer, given prefillq's weights, must compute prefillq's logits."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,9 @@ TINY = gemma3.ModelArgs(
     num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6, sliding_window=16,
     rope_theta=1_000_000.0, context_length=256)
 TINY_SHAPES = shapes_of(TINY, "gemma3 tiny")
+# Gemma 3 27B's kind: the global layer's positions scaled by 1/8 (linear RoPE scaling) and
+# the queries by 1/sqrt(48) instead of 1/sqrt(head_dim)
+TINY_SCALED = replace(TINY, rope_scale=0.125, query_pre_attn_scalar=48)
 N, CHUNK = 80, 32
 PROMPT = [(7 * i + 3) % TINY.vocab_size for i in range(N)]
 # float32 on the CPU, the same equations in another order: max |diff| / max |logit|
@@ -28,10 +32,11 @@ PROMPT = [(7 * i + 3) % TINY.vocab_size for i in range(N)]
 SAME_FUNCTION_RTOL = 1e-4
 
 
-def prefillq_tiny() -> gemma3.Model:
-    """prefillq's Gemma 3 at `TINY`, float32, random weights (norms too) from seed 1."""
+def prefillq_tiny(args: gemma3.ModelArgs = TINY) -> gemma3.Model:
+    """prefillq's Gemma 3 at `args` (`TINY`'s sizes), float32, random weights (norms too)
+    from seed 1."""
     mx.random.seed(1)
-    model = gemma3.Model(TINY)
+    model = gemma3.Model(args)
     # random norm weights (prefillq's multiply by w; HF's and mlx-lm's by 1 + w)
     norms = {k: 1 + 0.3 * mx.random.normal(v.shape) for k, v in
              tree_flatten(model.parameters()) if "norm" in k}

@@ -58,7 +58,7 @@ def test_27b_scales_its_queries_by_hidden_over_heads(scaled):
     shape = {"embedding_length": 5376, "attention__head_count": 32,
              "attention__head_count_kv": 16, "attention__key_length": 128}
     big = gemma3.ModelArgs.from_gguf(with_metadata(scaled, block_count=62, **shape))
-    assert big.query_pre_attn_scalar == 168.0
+    assert big.query_pre_attn_scalar == 168
     assert gemma3.Attention(big, 0).scale == 168.0 ** -0.5
     four_b = gemma3.ModelArgs.from_gguf(with_metadata(scaled, block_count=34, **shape))
     assert gemma3.Attention(four_b, 0).scale == 128.0 ** -0.5
