@@ -122,12 +122,13 @@ def _first_layers(args, n_layers: int):
 
 
 # Gemma 3 4B's config.json (google/gemma-3-4b-pt): 34 layers, 8 query heads over 4 KV
-# heads of 256, a 1,024-token window in five of every six layers. The context is the
+# heads of 256, a 1,024-token window in five of every six layers, the global layers' RoPE
+# scaled linearly by 1/8 (its rope_scaling; the peers get it too). The context is the
 # longest case's: it sizes the KV cache.
 GEMMA3_4B = gemma3.ModelArgs(
     hidden_size=2560, num_hidden_layers=34, intermediate_size=10_240, num_attention_heads=8,
     num_key_value_heads=4, head_dim=256, vocab_size=262_208, rms_norm_eps=1e-6,
-    sliding_window=1024, rope_theta=1_000_000.0, context_length=32_768,
+    sliding_window=1024, rope_theta=1_000_000.0, context_length=32_768, rope_scale=0.125,
 )
 
 MODELS = {m.name: m for m in (

@@ -36,17 +36,18 @@ def mlx_lm_args(shapes: dict):
                   num_key_value_heads=a["num_key_value_heads"], head_dim=a["head_dim"],
                   vocab_size=a["vocab_size"], rms_norm_eps=a["rms_norm_eps"],
                   rope_theta=a["rope_theta"], max_position_embeddings=a["context_length"])
-    if family == "gemma3":
+    if family == "gemma3":  # mlx-lm scales only its global layers' RoPE, as prefillq
         return gemma3_text.ModelArgs(
             model_type="gemma3_text", **common,
             rope_local_base_freq=a["rope_local_base_freq"],
-            query_pre_attn_scalar=a["head_dim"],  # prefillq's scale is head_dim ** -0.5
+            query_pre_attn_scalar=a.get("query_pre_attn_scalar") or a["head_dim"],
+            rope_scaling=rope_scaling(a),
             sliding_window=a["sliding_window"],
             sliding_window_pattern=a["sliding_window_pattern"])
     if family == "llama":
         return llama.ModelArgs(model_type="llama", **common,
                                rope_traditional=a["rope_traditional"],
-                               rope_scaling=a.get("rope_scaling"),
+                               rope_scaling=rope_scaling(a),
                                tie_word_embeddings=a["tie_word_embeddings"])
     if family == "qwen2":  # its head dim is width / heads
         del common["head_dim"]
@@ -56,6 +57,16 @@ def mlx_lm_args(shapes: dict):
         return qwen3.ModelArgs(model_type="qwen3", **common,
                                tie_word_embeddings=a["tie_word_embeddings"])
     raise KeyError(f"no mlx-lm model for family {family!r}")
+
+
+def rope_scaling(shapes: dict) -> dict | None:
+    """HF's ``rope_scaling`` for `shapes`: the one they give (e.g. Llama 3's, whose GGUF
+    keeps only the ``rope_freqs`` divisors), else linear scaling by 1 / ``rope_scale``
+    where prefillq scales positions, else None."""
+    if shapes.get("rope_scaling") is not None:
+        return shapes["rope_scaling"]
+    scale = shapes.get("rope_scale", 1.0)
+    return None if scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / scale}
 
 
 def mlx_lm_module(model_type: str):

@@ -73,10 +73,12 @@ def mlx_lm_twin(loaded: LoadedModel, rope_scaling: dict | None = None):
 
     Args:
         rope_scaling: HF's ``rope_scaling`` (e.g. Llama 3's) for mlx-lm to derive its own
-            frequencies from: a GGUF keeps only the divisors (``rope_freqs``).
+            frequencies from: a GGUF keeps only the divisors (``rope_freqs``). Linear
+            scaling (``rope_scale``, Gemma 3 4B and larger) needs none: it is passed on.
 
     Raises:
-        ValueError: `loaded` has RoPE scaling and no `rope_scaling` is given.
+        ValueError: `loaded` scales its RoPE by ``rope_freqs`` and no `rope_scaling` is
+            given.
         KeyError: mlx-lm has no model for the family.
     """
     from .gpu_peer_mlx_lm import mlx_lm_args, mlx_lm_module
@@ -84,9 +86,9 @@ def mlx_lm_twin(loaded: LoadedModel, rope_scaling: dict | None = None):
 
     args = loaded.model.args
     family = getattr(args, "architecture", "gemma3")
-    if rope_scaling is None and (getattr(args, "rope_freqs", False)
-                                 or getattr(args, "rope_scale", 1.0) != 1.0):
-        raise ValueError(f"{loaded.name} scales its RoPE: give mlx-lm its rope_scaling")
+    if rope_scaling is None and getattr(args, "rope_freqs", False):
+        raise ValueError(f"{loaded.name} scales its RoPE by rope_freqs: give mlx-lm its "
+                         "rope_scaling")
     their_args = mlx_lm_args(shapes_of(args, loaded.name, rope_scaling=rope_scaling))
     model = mlx_lm_module(their_args.model_type).Model(their_args)
     weights = {}

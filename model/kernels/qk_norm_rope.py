@@ -99,7 +99,7 @@ def enabled() -> bool:
 
 
 def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: mx.array, *,
-                 heads: int, kv_heads: int, base: float, scale: float = 1.0, eps: float
+                 heads: int, kv_heads: int, base: float, scale: float, eps: float
                  ) -> tuple[mx.array, mx.array, mx.array]:
     """Split a fused q/k/v projection into head-major Q, K and V, Q and K each normed per
     head and rotated at its row's position.

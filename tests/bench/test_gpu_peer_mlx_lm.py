@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 
 from bench import gpu_peer_mlx_lm, gpu_peers
+from bench.gpu_peers import shapes_of
 from tests.bench.tiny_gemma import (
     CHUNK,
     PROMPT,
     SAME_FUNCTION_RTOL,
+    TINY,
+    TINY_SCALED,
     TINY_SHAPES,
     N,
     assert_computes_prefillq,
@@ -21,10 +24,13 @@ from tests.bench.tiny_gemma import (
 )
 
 
-def test_mlx_lm_prefills_the_same_function_as_prefillq():
+@pytest.mark.parametrize("args", [TINY, TINY_SCALED], ids=["tiny", "scaled"])
+def test_mlx_lm_prefills_the_same_function_as_prefillq(args):
+    """mlx-lm's Gemma 3 with prefillq's weights gives prefillq's logits, also with the
+    global layer's RoPE linearly scaled and 27B's kind of query scale."""
     pytest.importorskip("mlx_lm")
-    ours = prefillq_tiny()
-    peer = gpu_peer_mlx_lm.mlx_lm_model(TINY_SHAPES, dtype=mx.float32)
+    ours = prefillq_tiny(args)
+    peer = gpu_peer_mlx_lm.mlx_lm_model(shapes_of(args, "gemma3 tiny"), dtype=mx.float32)
     peer.load_weights([(k, mx.array(v)) for k, v in their_weights(ours).items()])
     theirs = assert_computes_prefillq(ours, lambda ids: np.array(
         gpu_peer_mlx_lm.mlx_lm_prefill(peer, mx.array(ids), CHUNK)[0]))

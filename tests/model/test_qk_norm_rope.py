@@ -15,7 +15,7 @@ def test_the_cpu_never_takes_the_kernel():
     assert not qk_norm_rope.available() and not qk_norm_rope.enabled()
     with pytest.raises(ValueError, match="qk_norm_rope takes"):
         qk_norm_rope.qk_norm_rope(qkv, mx.arange(4), mx.ones((256,)), mx.ones((256,)),
-                                  heads=4, kv_heads=1, base=10_000.0, eps=1e-6)
+                                  heads=4, kv_heads=1, base=10_000.0, scale=1.0, eps=1e-6)
 
 
 def test_the_graph_takes_the_kernel_only_when_asked(monkeypatch):
