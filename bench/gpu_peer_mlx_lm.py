@@ -19,6 +19,7 @@ from .gpu_peers import (
     mlx_lm_impl,
     parse_shapes,
     process_label,
+    rope_scaling,
 )
 
 
@@ -57,16 +58,6 @@ def mlx_lm_args(shapes: dict):
         return qwen3.ModelArgs(model_type="qwen3", **common,
                                tie_word_embeddings=a["tie_word_embeddings"])
     raise KeyError(f"no mlx-lm model for family {family!r}")
-
-
-def rope_scaling(shapes: dict) -> dict | None:
-    """HF's ``rope_scaling`` for `shapes`: the one they give (e.g. Llama 3's, whose GGUF
-    keeps only the ``rope_freqs`` divisors), else linear scaling by 1 / ``rope_scale``
-    where prefillq scales positions, else None."""
-    if shapes.get("rope_scaling") is not None:
-        return shapes["rope_scaling"]
-    scale = shapes.get("rope_scale", 1.0)
-    return None if scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / scale}
 
 
 def mlx_lm_module(model_type: str):

@@ -26,6 +26,7 @@ from .gpu_peers import (
     measure,
     parse_shapes,
     process_label,
+    rope_scaling,
 )
 
 HF_IMPLS = {"sdpa": HF_SDPA, "flex_attention": HF_FLEX, "eager": HF_EAGER}
@@ -139,16 +140,15 @@ def _release(device: str) -> None:
 def hf_config(shapes: dict):
     """HF transformers' config at `shapes` (`bench.gpu_peers.shapes_of`), by ``family``:
     ``Gemma3TextConfig`` (its ``sliding`` layers windowed, RoPE bases as prefillq's, the
-    head tied), ``LlamaConfig`` (``rope_scaling`` as the shapes give it) or
-    ``Qwen3Config``. Raises KeyError for another family."""
+    head tied), ``LlamaConfig`` or ``Qwen3Config`` (RoPE scaling as `rope_scaling` gives
+    it). Raises KeyError for another family."""
     family = shapes.get("family", "gemma3")
     if family == "gemma3":
         return _gemma3_config(shapes)
     from transformers import LlamaConfig, Qwen3Config
 
     a = shapes
-    rope = {"rope_type": "default", **(a.get("rope_scaling") or {}),
-            "rope_theta": a["rope_theta"]}
+    rope = {"rope_type": "default", **(rope_scaling(a) or {}), "rope_theta": a["rope_theta"]}
     common = dict(
         vocab_size=a["vocab_size"], hidden_size=a["hidden_size"],
         intermediate_size=a["intermediate_size"], num_hidden_layers=a["num_hidden_layers"],
@@ -170,9 +170,7 @@ def _gemma3_config(shapes: dict):
     from transformers import Gemma3TextConfig
 
     a = shapes
-    full = {"rope_type": "default", "rope_theta": a["rope_theta"]}
-    if a.get("rope_scale", 1.0) != 1.0:
-        full = {**full, "rope_type": "linear", "factor": 1.0 / a["rope_scale"]}
+    full = {"rope_type": "default", **(rope_scaling(a) or {}), "rope_theta": a["rope_theta"]}
     return Gemma3TextConfig(
         vocab_size=a["vocab_size"], hidden_size=a["hidden_size"],
         intermediate_size=a["intermediate_size"], num_hidden_layers=a["num_hidden_layers"],

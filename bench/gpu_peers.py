@@ -121,6 +121,16 @@ def shapes_of(args, label: str, **extra) -> dict:
             "label": label, "sliding": sliding, **extra}
 
 
+def rope_scaling(shapes: dict) -> dict | None:
+    """HF's ``rope_scaling`` for `shapes` (`shapes_of`), as both peers' models take it: the
+    one they give (e.g. Llama 3's, whose GGUF keeps only the ``rope_freqs`` divisors), else
+    linear scaling by 1 / ``rope_scale`` where prefillq scales positions, else None."""
+    if shapes.get("rope_scaling") is not None:
+        return shapes["rope_scaling"]
+    scale = shapes.get("rope_scale", 1.0)
+    return None if scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / scale}
+
+
 def plan(shapes: dict, cases: Iterable[tuple[int, int]], repeats: int,
          hf_repeats: int = HF_REPEATS, eager: bool = True,
          backends: Iterable[str] = (DEFAULT_BACKEND, *SDPA_BACKENDS)) -> list[Child]:
