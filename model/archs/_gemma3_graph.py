@@ -144,12 +144,11 @@ class GraphForward:
             `model.kernels.gelu.fused_gelu_gate`), run between the compiled `_attn_out` and
             `_mlp_out` where a layer's gate has at least `GATE_KERNEL_MIN` values; else (or
             None) the compiled `_post` computes it.
-        heads: ``heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, scale, eps)``
-            ->
-            q, k, v, `_heads_packed` of a ``(rows, width)`` projection as a kernel of its
-            own (on CUDA, `model.kernels.qk_norm_rope.qk_norm_rope`), run after the compiled
-            `_qkv` where a chunk's projection has at least `HEADS_KERNEL_MIN` values; else
-            (or None) the compiled `_pre` computes them.
+        heads: ``heads(qkv, positions, q_norm, k_norm, *, heads, kv_heads, base, scale,
+            eps)`` -> q, k, v, `_heads_packed` of a ``(rows, width)`` projection as a kernel
+            of its own (on CUDA, `model.kernels.qk_norm_rope.qk_norm_rope`), run after the
+            compiled `_qkv` where a chunk's projection has at least `HEADS_KERNEL_MIN`
+            values; else (or None) the compiled `_pre` computes them.
     """
 
     def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None,
@@ -318,8 +317,7 @@ class GraphForward:
         return self.heads(qkv.reshape(h.shape[1], -1), positions, a.attn_q_norm.weight,
                           a.attn_k_norm.weight, heads=args.num_attention_heads,
                           kv_heads=args.num_key_value_heads, base=a.rope_base,
-                          scale=a.rope_scale,
-                          eps=args.rms_norm_eps)
+                          scale=a.rope_scale, eps=args.rms_norm_eps)
 
     def _post_of(self, post: Callable, h: mx.array, out: mx.array, block,
                  w_gate_up: mx.array) -> mx.array:

@@ -5,8 +5,6 @@ only, the sliding ones at 1 (``rope_freq_scale_train_swa``), and 27B's queries s
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from model.archs import _gemma3_graph, gemma3
 from model.archs._gemma3_graph import GraphForward
 from model.gguf.reader import GGUFError, read_gguf
 from model.gguf.synthetic.gemma3 import write_tiny_gemma3
+from tests.model.gguf_edits import with_metadata
 from tests.model.test_gemma3_graph import (
     _assert_scores_as_alone,
     _logits,
@@ -32,13 +31,6 @@ def scaled(tmp_path_factory):
     step takes, and linear RoPE scaling by `FACTOR`."""
     path = tmp_path_factory.mktemp("g") / "scaled.gguf"
     return read_gguf(write_tiny_gemma3(path, head_dim=256, rope_scaling_factor=FACTOR))
-
-
-def with_metadata(gguf, **changes):
-    """`gguf` as if its ``gemma3.*`` keys had `changes` (dots as double underscores)."""
-    meta = dict(gguf.metadata)
-    meta.update({f"gemma3.{k.replace('__', '.')}": v for k, v in changes.items()})
-    return replace(gguf, metadata=meta)
 
 
 def test_the_global_layers_alone_scale_their_positions(scaled):

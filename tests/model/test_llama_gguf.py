@@ -16,6 +16,7 @@ from model.gguf.reader import GGUFError, read_gguf, supported_tensor_types
 from model.gguf.synthetic.llama import LLAMA_TINY, QWEN3_TINY, write_tiny_llama
 from model.registry import load_model
 from tests.model import llama_reference as reference
+from tests.model.gguf_edits import with_metadata
 
 # float32 MLX vs the float64 reference on the same dequantized weights: 4.9e-7 (Q4_0) to
 # 7.7e-7 (F16) measured (max |diff| / max |logit|, every position of 200 tokens); ~4x that.
@@ -64,13 +65,6 @@ def test_an_unsupported_tensor_type_names_the_tensor(tmp_path):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     return read_gguf(write_tiny_llama(tmp_path_factory.mktemp("g") / "qwen3.gguf", QWEN3_TINY))
-
-
-def with_metadata(gguf, **changes):
-    """`gguf` as if its ``qwen3.*`` keys had `changes` (keys with dots as double underscores)."""
-    meta = dict(gguf.metadata)
-    meta.update({f"qwen3.{k.replace('__', '.')}": v for k, v in changes.items()})
-    return replace(gguf, metadata=meta)
 
 
 @pytest.mark.parametrize("changes, message", [
