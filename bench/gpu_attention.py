@@ -22,6 +22,7 @@ from model.kernels.flash_attention import (
     MIN_KEY_BLOCKS_PER_SPLIT,
     SM90_BLOCK_N,
     SM90_WARPS,
+    PackedJob,
     available,
     block_keys,
     flash_attention,
@@ -314,35 +315,41 @@ def _sm90_grid(q, k, v, position: int, window: int | None, grid: SweptGrid) -> m
         return flash_attention(q, k, v, q.shape[3] ** -0.5, position, window, hopper=True)
 
 
-# Packed steps of several jobs' first chunks (`packed_flash_attention`): (H, KVH, lengths,
-# window): one job, jobs shorter than a block, lengths off the block size, a window.
+# Packed steps (`packed_flash_attention`): (H, KVH, jobs as (rows, position), window): one
+# job, jobs shorter than a block, lengths off the block size, a window; then later chunks
+# beside first ones, with the keys a cache returns (a window's last rows, or every row).
 PACKED_CHECKS = [
-    (4, 1, (300,), None), (4, 1, (1, 17, 64, 65, 300, 511), None),
-    (4, 1, (1000, 33, 700), 512), (8, 2, (129, 2048, 5), 1024),
+    (4, 1, ((300, 0),), None), (4, 1, ((1, 0), (17, 0), (64, 0), (65, 0), (300, 0), (511, 0)),
+                                None),
+    (4, 1, ((1000, 0), (33, 0), (700, 0)), 512), (8, 2, ((129, 0), (2048, 0), (5, 0)), 1024),
+    (4, 1, ((40, 0), (5, 300), (200, 2048), (64, 0)), 512),
+    (4, 1, ((40, 0), (5, 300), (200, 2048), (64, 0)), None),
+    (8, 2, ((17, 700), (256, 0), (1, 4095)), None), (8, 2, ((17, 700), (1, 4095)), 1024),
 ]
 
 
 def check_packed(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
-    """`packed_flash_attention` against `flash_attention` of each job's rows alone at
-    position 0 (itself checked by `check`), at every case of `PACKED_CHECKS`: max
-    |difference| over max |reference| within `BF16_TOLERANCE`."""
+    """`packed_flash_attention` against `flash_attention` of each job's rows alone at its
+    position over its own keys (itself checked by `check`), at every case of
+    `PACKED_CHECKS`: max |difference| over max |reference| within `BF16_TOLERANCE`."""
     ok = True
-    for H, KVH, lengths, window in PACKED_CHECKS:
-        q, k, v = _inputs(H, KVH, sum(lengths), 0, None)
+    for H, KVH, chunks, window in PACKED_CHECKS:
         scale = 256 ** -0.5
-        ours = packed_flash_attention(q, k, v, scale, lengths, window, warps=warps,
+        alone = [_inputs(H, KVH, rows, position, window) for rows, position in chunks]
+        jobs = [PackedJob(q.shape[2], k.shape[2], position)
+                for (q, k, _), (_, position) in zip(alone, chunks, strict=True)]
+        q, k, v = (mx.concatenate([a[i] for a in alone], axis=2) for i in range(3))
+        ours = packed_flash_attention(q, k, v, scale, jobs, window, warps=warps,
                                       hopper=hopper)
-        alone, start = [], 0
-        for n in lengths:
-            rows = slice(start, start + n)
-            alone.append(flash_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], scale,
-                                         0, window, hopper=False))
-            start += n
-        ref = mx.concatenate(alone, axis=2).astype(mx.float32)
+        ref = mx.concatenate([flash_attention(q_i, k_i, v_i, scale, position, window,
+                                              hopper=False)
+                              for (q_i, k_i, v_i), (_, position) in zip(alone, chunks,
+                                                                       strict=True)],
+                             axis=2).astype(mx.float32)
         diff = float(mx.abs(ours.astype(mx.float32) - ref).max() / mx.abs(ref).max())
         ok &= diff <= BF16_TOLERANCE and not mx.isnan(ours).any().item()
         rec("packed_flash_attention_check", diff, "max|diff|/max|ref|",
-            ceiling=BF16_TOLERANCE, heads=H, kv_heads=KVH, lengths=list(lengths),
+            ceiling=BF16_TOLERANCE, heads=H, kv_heads=KVH, jobs=[list(j) for j in jobs],
             window=window, **_path(warps, hopper))
     return ok
 

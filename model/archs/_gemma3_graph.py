@@ -8,12 +8,14 @@ ops (docs/benchmarks.md, "Where a GPU chunk's time goes"). The equations are
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
+from ..kernels.flash_attention import PackedJob
 from ..kernels.gelu import gelu_gate
 from ._packed import job_outputs
 
@@ -37,6 +39,29 @@ GATE_KERNEL_MIN = 1 << 23
 # norms and rotates them after a compiled `_qkv` instead of inside the compiled `_pre`: at
 # Gemma 3 270M's 2,048-token chunks (3.1M) a host-bound step keeps one compiled call.
 HEADS_KERNEL_MIN = 1 << 22
+# A packed step's later chunks (position > 0) join the step's one attention launch a layer
+# (`attend_packed`) when their keys and values there take at most this many bytes (global
+# layers: every row the cache holds): the launch reads each job's keys from one array, so
+# joining copies them, ~4 us at 8 MiB of an H200's ~4.8 TB/s (read and written), where a
+# launch of its own costs ~15-20 us of the host's time (docs/benchmarks.md); a job with a
+# longer context attends on its own, where its attention's work dwarfs a launch and the
+# kernel may split its keys. Opt-in (``$PREFILLQ_SHARED_KV_BYTES``, `shared_kv_bytes`)
+# until the kernel's later-chunk cases have run on a GPU (`bench.gpu --check`).
+SHARED_KV_BYTES = 8 << 20
+SHARED_KV_BYTES_ENV = "PREFILLQ_SHARED_KV_BYTES"
+
+
+def shared_kv_bytes() -> int:
+    """``$PREFILLQ_SHARED_KV_BYTES`` (an integer >= 0; `SHARED_KV_BYTES` is the value it
+    was sized for), or 0 where unset: later chunks attend on their own.
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    value = os.environ.get(SHARED_KV_BYTES_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"{SHARED_KV_BYTES_ENV} must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 def padded_rows(rows: int) -> int:
@@ -135,11 +160,12 @@ class GraphForward:
         attend: ``attend(q, keys, values, scale, position, window, mask)`` -> ``(B, heads,
             L, head_dim)``, the layer's attention over what its cache returned (on CUDA,
             `model.kernels.flash_attention`).
-        attend_fresh: ``attend_fresh(q, k, v, scale, lengths, window)`` -> ``(1, heads,
-            sum(lengths), head_dim)``, the attention of several jobs' chunks packed along
-            ``L`` that each start at position 0 and so see their own rows only, in one call
-            (on CUDA, `model.kernels.flash_attention.packed_flash_attention`); None: a
-            packed step attends job by job.
+        attend_packed: ``attend_packed(q, keys, values, scale, jobs, window)`` ->
+            ``(1, heads, sum(rows), head_dim)``, the attention of several jobs' chunks
+            packed along ``L`` in one call, each against its own keys (`jobs`:
+            `model.kernels.flash_attention.PackedJob` each; on CUDA,
+            `model.kernels.flash_attention.packed_flash_attention`); None: a packed step
+            attends job by job.
         gate: ``gate(gate_up)`` -> ``gelu_tanh(gate) * up`` as a kernel of its own (on CUDA,
             `model.kernels.gelu.fused_gelu_gate`), run between the compiled `_attn_out` and
             `_mlp_out` where a layer's gate has at least `GATE_KERNEL_MIN` values; else (or
@@ -149,12 +175,17 @@ class GraphForward:
             of its own (on CUDA, `model.kernels.qk_norm_rope.qk_norm_rope`), run after the
             compiled `_qkv` where a chunk's projection has at least `HEADS_KERNEL_MIN`
             values; else (or None) the compiled `_pre` computes them.
+        shared_kv_bytes: the most bytes of keys and values a later chunk brings to a packed
+            step's `attend_packed` call (`SHARED_KV_BYTES`); above it, or at 0, it attends
+            on its own.
     """
 
-    def __init__(self, attend: Attend, attend_fresh: Callable[..., mx.array] | None = None,
+    def __init__(self, attend: Attend, attend_packed: Callable[..., mx.array] | None = None,
                  gate: Callable[[mx.array], mx.array] | None = None,
-                 heads: Callable[..., tuple[mx.array, mx.array, mx.array]] | None = None):
-        self.attend, self.attend_fresh, self.gate, self.heads = attend, attend_fresh, gate, heads
+                 heads: Callable[..., tuple[mx.array, mx.array, mx.array]] | None = None,
+                 shared_kv_bytes: int = SHARED_KV_BYTES):
+        self.attend, self.attend_packed, self.gate, self.heads = attend, attend_packed, gate, heads
+        self.shared_kv_bytes = shared_kv_bytes
         self._qkv: Callable | None = None
         self._pre: dict[tuple[bool, float, float], Callable] = {}
         self._post: Callable | None = None
@@ -216,13 +247,16 @@ class GraphForward:
                writes: Sequence[bool] | None = None) -> list[mx.array]:
         """Several jobs' chunks in one forward pass, with the contract of
         `model.archs._packed.PackedModel.packed`: the compiled graphs run over every job's
-        rows at once (packed along ``L``, each row rotated at its own position); the jobs
-        at position 0 (`attend_fresh`) attend in one call and write their rows to their
-        caches where `writes` says so, the others update their caches and attend job by job.
-        With `attend_fresh`, the rows are padded to `padded_rows` by a pseudo-job of token
-        id 0 at position 0 placed after the fresh jobs, which attends to itself in the same
-        call, touches no cache and whose outputs are dropped: the matmuls are row-wise, so
-        padding moves no real row beyond their blocking.
+        rows at once (packed along ``L``, each row rotated at its own position). With
+        `attend_packed`, a layer's attention is one call for the jobs at position 0 (which
+        write their rows to their caches where `writes` says so) and the later chunks
+        whose keys take at most ``shared_kv_bytes`` (`_launch_rank`; not a lone one, which
+        may split its keys on its own), which update their caches first; the other jobs
+        update their caches and attend one by one. The rows are then padded to
+        `padded_rows` by a pseudo-job of token id 0 at position 0 placed after the first
+        chunks, which attends to itself in the same call, touches no cache and whose
+        outputs are dropped: the matmuls are row-wise, so padding moves no real row
+        beyond their blocking.
 
         Args:
             inputs: each job's chunk of token ids, int32 ``(L_i,)``, none empty.
@@ -235,27 +269,39 @@ class GraphForward:
         """
         every = list(every_position or [False] * len(inputs))
         writes = list(writes or [True] * len(inputs))
-        # the fresh jobs first, so that their rows are one run [0, fresh rows)
-        order: list[int | None] = sorted(
-            range(len(inputs)), key=lambda i: not (self.attend_fresh and caches[i].position == 0))
+        # the first chunks, then the later ones that share their launch, then the rest
+        rank = [self._launch_rank(model.args, cache.position, int(x.shape[0]))
+                for x, cache in zip(inputs, caches, strict=True)]
+        order: list[int | None] = sorted(range(len(inputs)), key=rank.__getitem__)
         inputs, caches = [inputs[i] for i in order], [caches[i] for i in order]
         every, writes = [every[i] for i in order], [writes[i] for i in order]
         positions = [cache.position for cache in caches]
-        fresh = sum(1 for p in positions if p == 0) if self.attend_fresh else 0
+        fresh = rank.count(0)
+        shared = fresh + rank.count(1) if fresh or rank.count(1) > 1 else 0  # else: splits
         total = sum(int(x.shape[0]) for x in inputs)
-        if self.attend_fresh and padded_rows(total) > total:
+        if self.attend_packed and padded_rows(total) > total:
             pad = mx.zeros((padded_rows(total) - total,), dtype=mx.int32)
             for values, value in ((order, None), (inputs, pad), (caches, None),
                                   (positions, 0), (every, False), (writes, False)):
                 values.insert(fresh, value)
-            fresh += 1
-        outs = self._packed(inputs, caches, positions, fresh, every, writes, model)
+            shared += 1
+        outs = self._packed(inputs, caches, positions, shared, every, writes, model)
         by_job = {i: out for i, out in zip(order, outs, strict=True) if i is not None}
         return [by_job[i] for i in range(len(by_job))]
 
-    def _packed(self, inputs: list[mx.array], caches: list, positions: list[int], fresh: int,
+    def _launch_rank(self, args, position: int, rows: int) -> int:
+        """Where a job of `rows` rows at `position` goes in a packed step: 0, a first chunk
+        in the shared attention call; 1, a later chunk in it, where its keys and values in
+        a global layer (``position + rows`` rows of ``kv_heads x head_dim``, bf16) take at
+        most ``shared_kv_bytes``; 2, on its own."""
+        if not self.attend_packed:
+            return 2
+        kv_bytes = 2 * (position + rows) * args.num_key_value_heads * args.head_dim * 2
+        return 0 if position == 0 else 1 if kv_bytes <= self.shared_kv_bytes else 2
+
+    def _packed(self, inputs: list[mx.array], caches: list, positions: list[int], shared: int,
                 every: list[bool], writes: list[bool], model) -> list[mx.array]:
-        """`packed` of jobs in order (the first `fresh` attend in one call, a padding
+        """`packed` of jobs in order (the first `shared` attend in one call, a padding
         pseudo-job among them with cache None)."""
         args = model.args
         lengths = [int(x.shape[0]) for x in inputs]
@@ -272,28 +318,43 @@ class GraphForward:
                 q, k, v = pre(h, rows, block.attn_norm.weight, w_qkv, a.attn_q_norm.weight,
                               a.attn_k_norm.weight)
             layer_caches = [None if c is None else c[layer] for c in caches]
-            out = self._attention(a, layer_caches, q, k, v, positions, lengths, fresh, writes)
+            out = self._attention(a, layer_caches, q, k, v, positions, lengths, shared, writes)
             h = self._post_of(post, h, out, block, w_gate_up)
         return job_outputs(model.output_norm, h, lengths, every)
 
     def _attention(self, attn, layer_caches: list, q: mx.array, k: mx.array, v: mx.array,
-                   positions: list[int], lengths: list[int], fresh: int, writes: list[bool]
+                   positions: list[int], lengths: list[int], shared: int, writes: list[bool]
                    ) -> mx.array:
         """One layer's attention output ``(1, heads, sum(lengths), head_dim)`` for jobs
-        packed along ``L`` whose first `fresh` start at position 0: those attend in one
-        `attend_fresh` call and write their rows where `writes` says so; the rest update
-        their caches and attend one by one."""
+        packed along ``L``, the first `shared` of them in one `attend_packed` call: the
+        first chunks (position 0, which come first) attend to their own rows and write
+        them where `writes` says so, the later chunks update their caches and attend to
+        what those return. The rest update their caches and attend one by one."""
         starts = np.cumsum([0, *lengths]).tolist()
+        fresh = next((i for i in range(shared) if positions[i] > 0), shared)
         outs = []
-        if fresh:
+        if shared:
             for cache, start, n, write in zip(layer_caches[:fresh], starts, lengths[:fresh],
                                               writes, strict=False):
                 if write:
                     cache.write(k[:, :, start : start + n], v[:, :, start : start + n], 0)
-            end = starts[fresh]
-            outs.append(self.attend_fresh(q[:, :, :end], k[:, :, :end], v[:, :, :end],
-                                          attn.scale, tuple(lengths[:fresh]), attn.window))
-        for i in range(fresh, len(lengths)):
+            keys, values = [k[:, :, :starts[fresh]]], [v[:, :, :starts[fresh]]]
+            jobs = [PackedJob(n, n, 0) for n in lengths[:fresh]]
+            for i in range(fresh, shared):
+                mine = slice(starts[i], starts[i + 1])
+                job_keys, job_values, _ = layer_caches[i].update(k[:, :, mine], v[:, :, mine],
+                                                                 positions[i])
+                keys.append(job_keys)
+                values.append(job_values)
+                jobs.append(PackedJob(lengths[i], job_keys.shape[2], positions[i]))
+            if not fresh:
+                keys, values = keys[1:], values[1:]
+            end = starts[shared]
+            outs.append(self.attend_packed(
+                q[:, :, :end], keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2),
+                values[0] if len(values) == 1 else mx.concatenate(values, axis=2),
+                attn.scale, tuple(jobs), attn.window))
+        for i in range(shared, len(lengths)):
             mine = slice(starts[i], starts[i + 1])
             keys, values, mask = layer_caches[i].update(k[:, :, mine], v[:, :, mine],
                                                         positions[i])

@@ -25,7 +25,7 @@ from ..kv_cache import KVCacheModel, ModelCache
 from ..runtime.streams import split_map
 from ._args import DecoderArgs, gguf_sizes, rope_scale
 from ._attention import cache_attention
-from ._gemma3_graph import GraphForward
+from ._gemma3_graph import GraphForward, shared_kv_bytes
 from ._packed import PackedModel, ProjectedAttention
 
 ARCHITECTURE = "gemma3"
@@ -243,7 +243,7 @@ class Model(nn.Module, KVCacheModel, PackedModel):
                     and self.args.intermediate_size % gelu.VECTOR == 0 else None)
             heads = qk_norm_rope.qk_norm_rope if qk_norm_rope.enabled() else None
             self._graph = GraphForward(_fused_attend, fused.packed_flash_attention, gate,
-                                       heads)
+                                       heads, shared_kv_bytes())
         return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:

@@ -10,11 +10,13 @@
 // PREFILLQ_SPLIT (a split of the keys per grid z, for chunks too short to fill the GPU),
 // out float32 (B, H, splits, L, D), each split's normalized output, and lse float32
 // (B, H, splits, L), its log-sum-exp (natural log; -inf where a row saw no key), which
-// flash_attention.py combines. Compiled with PREFILLQ_PACKED (never split), q, k and v hold
-// several jobs' chunks one after another along L, each at position 0 attending to its own
-// rows only, and an input blocks int32 (grid x, 3) gives each block its job's first row,
-// the job's rows and the block's index within the job (FlashAttention-2's varlen layout,
-// with the per-block table of its cu_seqlens computed on the host).
+// flash_attention.py combines. Compiled with PREFILLQ_PACKED (never split), q holds several
+// jobs' chunks one after another along L and k and v the keys each attends to, one job's
+// after another, and an input blocks int32 (grid x, 6) gives each block its job's first
+// query row, its query rows, the block's index within the job, its first key row, its keys
+// and its chunk's first position (FlashAttention-2's varlen layout, with the per-block
+// table of its cu_seqlens computed on the host); a job's first key is at position
+// position - (keys - rows), as in the unpacked kernel.
 // Template constants: D (head dim), BLOCK_N (keys per step), GROUP (query heads per KV
 // head), PAD (shared-memory row padding, bf16 elements), WARPS (per block, 16 rows each).
 //
@@ -48,13 +50,15 @@ const int splits = params[5], b = blockIdx.z / splits, split = blockIdx.z % spli
 const int kvh = h / GROUP;
 const int window = params[2];
 #ifdef PREFILLQ_PACKED
-// several jobs' chunks packed along L, each at position 0 over its own rows' keys: this
-// block's job starts at row seq_row, has L rows, and the block is its m_block-th
-const int seq_row = blocks[3 * blockIdx.x], L = blocks[3 * blockIdx.x + 1];
-const int m_block = blocks[3 * blockIdx.x + 2];
-const int position = 0, k_start = 0, N = L;
+// several jobs' chunks packed along L, each over its own keys: this block's job has L
+// query rows from row seq_row and N keys from row kv_seq_row, its chunk starts at
+// position, and the block is its m_block-th
+const int* job = blocks + 6 * blockIdx.x;
+const int seq_row = job[0], L = job[1], m_block = job[2];
+const int kv_seq_row = job[3], N = job[4], position = job[5];
+const int k_start = position - (N - L);
 #else
-const int seq_row = 0, L = params[3], N = params[4], m_block = blockIdx.x;
+const int seq_row = 0, kv_seq_row = 0, L = params[3], N = params[4], m_block = blockIdx.x;
 const int position = params[0], k_start = params[1];
 #endif
 const float scale_log2 = scale[0] * LOG2E;
@@ -62,8 +66,8 @@ const int H = q_shape[1], q_rows = q_shape[2];
 
 const long q_row = q_strides[2], k_row = k_strides[2], v_row = v_strides[2];
 const __nv_bfloat16* qp = q + b * q_strides[0] + h * q_strides[1] + seq_row * q_row;
-const __nv_bfloat16* kp = k + b * k_strides[0] + kvh * k_strides[1] + seq_row * k_row;
-const __nv_bfloat16* vp = v + b * v_strides[0] + kvh * v_strides[1] + seq_row * v_row;
+const __nv_bfloat16* kp = k + b * k_strides[0] + kvh * k_strides[1] + kv_seq_row * k_row;
+const __nv_bfloat16* vp = v + b * v_strides[0] + kvh * v_strides[1] + kv_seq_row * v_row;
 
 // Q tile -> shared (rows past L are zero), 16 bytes a thread per copy
 const int row0 = m_block * BLOCK_M;

@@ -8,6 +8,7 @@ pass on mma.sync tensor cores (bf16 in, fp32 accumulation), compiled by NVRTC on
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -256,59 +257,85 @@ def _weighted_sum(splits: int, dtype: mx.Dtype):
     return mx.compile(weighted_sum)
 
 
+class PackedJob(NamedTuple):
+    """One job's share of a `packed_flash_attention` launch: its chunk's `rows` queries
+    attend to its `keys` keys, the last `rows` of which are the chunk's own; the chunk starts
+    at `position`, so its first key is at ``position - (keys - rows)`` (what a cache's
+    ``update`` returns). A job's first chunk is ``PackedJob(n, n, 0)``."""
+
+    rows: int
+    keys: int
+    position: int
+
+
+def fresh_jobs(lengths: Sequence[int]) -> tuple[PackedJob, ...]:
+    """Jobs at position 0 attending to their own `lengths` rows only."""
+    return tuple(PackedJob(n, n, 0) for n in lengths)
+
+
 @lru_cache(maxsize=64)
-def query_blocks(lengths: tuple[int, ...], rows: int) -> mx.array:
+def query_blocks(jobs: tuple[PackedJob, ...], rows: int) -> mx.array:
     """The table `packed_flash_attention` launches a block per row of: int32 ``(blocks,
-    3)``, each job's first row, its rows and the block's index within the job, for jobs of
-    `lengths` rows one after another and `rows` queries a block (a step's layers share
-    it)."""
-    table, start = [], 0
-    for n in lengths:
-        table += [(start, n, m) for m in range(-(-n // rows))]
-        start += n
+    6)``, per block its job's first query row, its query rows, the block's index within the
+    job, the job's first key row, its keys and its chunk's position, for `jobs` whose
+    queries lie one after another and whose keys lie one after another, `rows` queries a
+    block (a step's layers of one kind share it)."""
+    table, q_row, k_row = [], 0, 0
+    for job in jobs:
+        table += [(q_row, job.rows, m, k_row, job.keys, job.position)
+                  for m in range(-(-job.rows // rows))]
+        q_row, k_row = q_row + job.rows, k_row + job.keys
     return mx.array(table, dtype=mx.int32)
 
 
 def packed_flash_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-                           lengths: tuple[int, ...], window: int | None,
+                           jobs: Sequence[PackedJob], window: int | None,
                            block_n: int = DEFAULT_BLOCK_N, warps: int = DEFAULT_WARPS,
                            hopper: bool | None = None) -> mx.array:
-    """`flash_attention` of several jobs' chunks in one launch, each chunk at position 0
-    attending causally to its own rows only (a job's first chunk: FlashAttention-2's
-    variable-length layout, Dao 2023, with the per-block table on the host).
+    """`flash_attention` of several jobs' chunks in one launch, each against its own keys
+    (FlashAttention-2's variable-length layout, Dao 2023, with the per-block table on the
+    host): jobs' first chunks, which see only their own rows, and later chunks, which see
+    the keys their caches returned.
 
     Args:
-        q: bf16 ``(1, H, T, D)``, the jobs' queries one after another along ``T =
-            sum(lengths)``; D in `HEAD_DIMS`; its last dimension contiguous.
-        keys, values: bf16 ``(1, KVH, T, D)``, the same rows' keys and values; H a multiple
-            of KVH.
+        q: bf16 ``(1, H, T, D)``, the jobs' queries one after another along ``T``, the sum
+            of their ``rows``; D in `HEAD_DIMS`; its last dimension contiguous.
+        keys, values: bf16 ``(1, KVH, S, D)``, each job's keys and values one after another
+            along ``S``, the sum of their ``keys`` (for first chunks, the same rows as `q`'s);
+            H a multiple of KVH.
         scale: the score scale.
-        lengths: each job's rows, in order (positive).
+        jobs: each job's rows, keys and position (`PackedJob`; `fresh_jobs` for first
+            chunks), in order.
         window: the sliding window, or None (as `flash_attention`).
         block_n, warps, hopper: as `flash_attention`'s.
     Returns:
         bf16 ``(1, H, T, D)``: each job's rows as `flash_attention` gives them for that job
-        alone at position 0.
+        alone.
     Raises:
-        ValueError: inputs `supports` refuses, more than one batch entry, or `lengths` that
-            do not sum to ``T``.
+        ValueError: inputs `supports` refuses, more than one batch entry, jobs whose rows or
+            keys do not sum to ``T`` and ``S``, or a job with fewer keys than rows or keys
+            before position 0.
     """
-    if not supports(q, keys) or q.shape[0] != 1 or sum(lengths) != q.shape[2]:
-        raise ValueError(f"packed_flash_attention takes bf16 (1, H, sum(lengths), D) with D in "
-                         f"{HEAD_DIMS} and whole KV groups; got {q.dtype} q {q.shape}, keys "
-                         f"{keys.dtype} {keys.shape}, lengths summing to {sum(lengths)}")
+    jobs = tuple(PackedJob(*job) for job in jobs)
+    if (not supports(q, keys) or q.shape[0] != 1 or sum(j.rows for j in jobs) != q.shape[2]
+            or sum(j.keys for j in jobs) != keys.shape[2]
+            or any(j.rows < 1 or j.keys < j.rows or j.position < j.keys - j.rows
+                   for j in jobs)):
+        raise ValueError(f"packed_flash_attention takes bf16 (1, H, sum(rows), D) queries and "
+                         f"(1, KVH, sum(keys), D) keys with D in {HEAD_DIMS}, whole KV groups "
+                         f"and each job's keys ending at its rows; got {q.dtype} q {q.shape}, "
+                         f"keys {keys.dtype} {keys.shape}, jobs {list(jobs)}")
     _, H, T, D = q.shape
+    params = _int32s(0, 0, window or 0, 0, 0, 1)
     if _hopper(hopper):
-        blocks = query_blocks(tuple(lengths), ROWS_PER_WARP * SM90_WARPS)
-        return sm90.launch(PACKED, q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1),
-                           _float32s(scale), blocks.shape[0], 1, [(1, H, T, D)], [q.dtype],
-                           blocks=blocks)[0]
+        blocks = query_blocks(jobs, ROWS_PER_WARP * SM90_WARPS)
+        return sm90.launch(PACKED, q, keys, values, params, _float32s(scale),
+                           blocks.shape[0], 1, [(1, H, T, D)], [q.dtype], blocks=blocks)[0]
     rows = ROWS_PER_WARP * warps
-    blocks = query_blocks(tuple(lengths), rows)
+    blocks = query_blocks(jobs, rows)
     threads = 32 * warps
     (out,) = _kernel(D, block_n, PACKED, warps)(
-        inputs=[q, keys, values, _int32s(0, 0, window or 0, 0, 0, 1), _float32s(scale),
-                blocks],
+        inputs=[q, keys, values, params, _float32s(scale), blocks],
         template=[("D", D), ("BLOCK_N", block_n), ("GROUP", H // keys.shape[1]),
                   ("PAD", PAD), ("WARPS", warps)],
         grid=(blocks.shape[0] * threads, H, 1), threadgroup=(threads, 1, 1),

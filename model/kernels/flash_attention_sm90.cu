@@ -9,7 +9,7 @@
 // `mx.fast.precompiled_cuda_kernel`, which passes the inputs, then the outputs, then the
 // scalars. Inputs (row-contiguous): q bf16 (B, H, Lq, D), k and v bf16 (B, KVH, N, D),
 // params int32 [position, k_start, window, L, N, splits] and scale float32 [1] (as
-// flash_attention.cu), and with PREFILLQ_PACKED the block table int32 (blocks, 3). Outputs:
+// flash_attention.cu), and with PREFILLQ_PACKED the block table int32 (blocks, 6). Outputs:
 // out bf16 (B, H, Lq, D), or with PREFILLQ_SPLIT out float32 (B, H, splits, L, D) and lse
 // float32 (B, H, splits, L). Scalars: H, KVH, Lq (q's rows), N (k's rows).
 // Defines: KERNEL_NAME, D (head dim, a multiple of 64), BLOCK_N (keys a step: 64, or 32
@@ -74,13 +74,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   const int kvh = h / (H / KVH);
   const int window = params[2];
 #ifdef PREFILLQ_PACKED
-  const int seq_row = blocks[3 * blockIdx.x], L = blocks[3 * blockIdx.x + 1];
-  const int m_block = blocks[3 * blockIdx.x + 2];
-  const int position = 0, k_start = 0, N = L;
+  // as flash_attention.cu's packed table: query rows, keys and position of this block's job
+  const int* job = blocks + 6 * blockIdx.x;
+  const int seq_row = job[0], L = job[1], m_block = job[2];
+  const int kv_seq_row = job[3], N = job[4], position = job[5];
+  const int k_start = position - (N - L);
 #else
   // the longest rows first: a causal block's work grows with its index, and the last wave
   // then holds the short ones (FlashAttention-2's ordering)
-  const int seq_row = 0, L = params[3], N = params[4], m_block = gridDim.x - 1 - blockIdx.x;
+  const int seq_row = 0, kv_seq_row = 0, L = params[3], N = params[4];
+  const int m_block = gridDim.x - 1 - blockIdx.x;
   const int position = params[0], k_start = params[1];
 #endif
   const float scale_log2 = scale[0] * LOG2E;
@@ -88,8 +91,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   // row-contiguous inputs: strides from the shapes
   const long q_row = D, k_row = D;
   const uint16_t* qp = q + (((long)b * H + h) * q_rows + seq_row) * D;
-  const uint16_t* kp = k + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
-  const uint16_t* vp = v + (((long)b * KVH + kvh) * kv_rows + seq_row) * D;
+  const uint16_t* kp = k + (((long)b * KVH + kvh) * kv_rows + kv_seq_row) * D;
+  const uint16_t* vp = v + (((long)b * KVH + kvh) * kv_rows + kv_seq_row) * D;
 
   // Every tile is copied 16 bytes a thread, a row's D / 8 chunks by consecutive threads:
   // this thread's chunk column and first row are fixed, its rows ROWS_PER_PASS apart

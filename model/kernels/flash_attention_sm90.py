@@ -110,7 +110,7 @@ def launch(variant: str, q: mx.array, keys: mx.array, values: mx.array,
         q: bf16 ``(B, H, Lq, D)``; keys, values: bf16 ``(B, KVH, N, D)``; copied to
             row-contiguous first where they are not (MLX does it).
         params: int32 ``[position, k_start, window, L, N, splits]``; scale: float32 ``[1]``.
-        blocks: the packed variant's int32 ``(blocks, 3)`` table (`query_blocks`).
+        blocks: the packed variant's int32 ``(blocks, 6)`` table (`query_blocks`).
         block_n, warpgroups, stages, pingpong: the build (`BLOCK_N`, `WARPGROUPS`,
             `STAGES`, `PINGPONG`).
     Returns:

@@ -43,7 +43,9 @@ def test_flash_attention_compiles_in_every_variant(kernels, warps):
     long_keys = _bf16(1, 2, 8192, 256)  # a few query blocks over many keys: split
     fa.flash_attention(q, long_keys, long_keys, 0.06, 8192 - 64, None, warps=warps,
                        hopper=False)
-    fa.packed_flash_attention(q, k, k, 0.06, (30, 34), 512, warps=warps, hopper=False)
+    jobs = (*fa.fresh_jobs((30, 20)), fa.PackedJob(14, 14 + 500, 500))
+    keys = _bf16(1, 2, 564, 256)
+    fa.packed_flash_attention(q, keys, keys, 0.06, jobs, 512, warps=warps, hopper=False)
     names = [name for name, _ in kernels.compiled]
     assert [n.rsplit("_w", 1)[1] for n in names] == [f"{warps}", f"{warps}_split",
                                                      f"{warps}_packed"]

@@ -58,16 +58,28 @@ def test_the_grid_plan_counts_the_keys_a_block_may_see():
 
 
 def test_a_packed_step_launches_a_block_per_64_queries_of_each_job():
-    table = fa.query_blocks((1, 64, 65, 130), 64).tolist()
-    # (first row, rows, block within the job): no block spans two jobs
-    assert table == [[0, 1, 0], [1, 64, 0], [65, 65, 0], [65, 65, 1],
-                     [130, 130, 0], [130, 130, 1], [130, 130, 2]]
+    jobs = (*fa.fresh_jobs((1, 64)), fa.PackedJob(65, 65 + 300, 300), fa.PackedJob(130, 130, 0))
+    table = fa.query_blocks(jobs, 64).tolist()
+    # (first query row, rows, block within the job, first key row, keys, position): no block
+    # spans two jobs; the third job's keys start with its cache's 300 rows
+    assert table == [[0, 1, 0, 0, 1, 0], [1, 64, 0, 1, 64, 0],
+                     [65, 65, 0, 65, 365, 300], [65, 65, 1, 65, 365, 300],
+                     [130, 130, 0, 430, 130, 0], [130, 130, 1, 430, 130, 0],
+                     [130, 130, 2, 430, 130, 0]]
 
 
-def test_packed_attention_refuses_lengths_that_miss_the_rows():
+@pytest.mark.parametrize(("keys", "jobs", "match"), [
+    (10, fa.fresh_jobs((4, 5)), r"q \(1, 4, 10, 256\)"),  # rows sum to 9
+    (12, fa.fresh_jobs((4, 6)), r"keys mlx.core.bfloat16 \(1, 1, 12, 256\)"),  # keys sum to 10
+    (10, (fa.PackedJob(4, 3, 0), fa.PackedJob(6, 7, 0)), "PackedJob"),  # fewer keys than rows
+    (10, (fa.PackedJob(4, 4, 0), fa.PackedJob(6, 6, -1)), "PackedJob"),  # keys before 0
+    (15, (fa.PackedJob(4, 4, 0), fa.PackedJob(6, 11, 4)), "PackedJob"),  # 5 keys before 4
+])
+def test_packed_attention_refuses_jobs_that_miss_the_rows_or_keys(keys, jobs, match):
     q = mx.zeros((1, 4, 10, 256), dtype=mx.bfloat16)
-    with pytest.raises(ValueError, match="lengths summing to 9"):
-        fa.packed_flash_attention(q, q[:, :1], q[:, :1], 0.1, (4, 5), None)
+    k = mx.zeros((1, 1, keys, 256), dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        fa.packed_flash_attention(q, k, k, 0.1, jobs, None)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])

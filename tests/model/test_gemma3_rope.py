@@ -14,12 +14,12 @@ from model.archs._gemma3_graph import GraphForward
 from model.gguf.reader import GGUFError, read_gguf
 from model.gguf.synthetic.gemma3 import write_tiny_gemma3
 from tests.model.gguf_edits import with_metadata
-from tests.model.test_gemma3_graph import (
-    _assert_scores_as_alone,
-    _logits,
-    _mlx_attend,
-    _mlx_attend_fresh,
-    _mlx_heads,
+from tests.model.graph_harness import (
+    assert_scores_as_alone,
+    logits_alone,
+    mlx_attend,
+    mlx_attend_packed,
+    mlx_heads,
 )
 
 FACTOR = 8.0
@@ -61,11 +61,11 @@ def test_the_factor_moves_the_logits_through_the_global_layer_only(scaled, tmp_p
     their first five (all sliding) score the same, bit for bit."""
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 300, 60)]
     plain = with_metadata(scaled, rope__scaling__type="none")
-    six = [_logits(gemma3.load(g), ids, len(ids)) for g in (scaled, plain)]
+    six = [logits_alone(gemma3.load(g), ids, len(ids)) for g in (scaled, plain)]
     assert float(np.abs(six[0] - six[1]).max()) > 1e-2 * float(np.abs(six[1]).max())
     five = read_gguf(write_tiny_gemma3(tmp_path / "five.gguf", head_dim=256, n_layers=5,
                                        rope_scaling_factor=FACTOR))
-    got = [_logits(gemma3.load(g), ids, len(ids))
+    got = [logits_alone(gemma3.load(g), ids, len(ids))
            for g in (five, with_metadata(five, rope__scaling__type="none"))]
     np.testing.assert_array_equal(got[0], got[1])
 
@@ -79,6 +79,6 @@ def test_the_compiled_graphs_and_the_heads_step_apply_the_scale(scaled, monkeypa
     jobs = [[int(t) for t in rng.integers(3, 300, n)] for n in (50, 23)]
     for heads_min in (1 << 40, 1):  # in `_pre`, then in the ``heads`` step
         monkeypatch.setattr(_gemma3_graph, "HEADS_KERNEL_MIN", heads_min)
-        forward = GraphForward(_mlx_attend, _mlx_attend_fresh, None, _mlx_heads)
-        _assert_scores_as_alone(model, forward, jobs, 20, packed)
+        forward = GraphForward(mlx_attend, mlx_attend_packed, None, mlx_heads)
+        assert_scores_as_alone(model, forward, jobs, 20, packed)
     assert mx.default_device() == mx.cpu  # the module forward is the reference here
