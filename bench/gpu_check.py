@@ -13,10 +13,11 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from model.archs._gemma3_graph import _heads_packed
+from model.archs._gemma3_graph import SHARED_KV_BYTES, _heads_packed
 from model.kernels import flash_attention_sm90 as sm90
 from model.kernels import gelu, qk_norm_rope
 from model.kernels.flash_attention import available
+from model.prefill import Prefill
 from model.start import start_prefill
 
 from . import gpu_deepseek4
@@ -181,6 +182,59 @@ def chunked_equals_one_pass(rec: Recorder, model=None, n: int = CHUNKED_TOKENS,
     return ok
 
 
+# Packed steps against each job alone: lengths that end in the same, in later and in a
+# first step, in 256-token chunks, so that steps mix first and later chunks.
+PACKED_JOBS, PACKED_CHUNK = (1500, 700, 300, 40, 513), 256
+
+
+def packed_steps_equal_each_alone(rec: Recorder, model=None, lengths=PACKED_JOBS,
+                                  chunk: int = PACKED_CHUNK) -> bool:
+    """Jobs of `lengths` tokens prefilled in `chunk`-token chunks in packed steps
+    (`Prefill.launch_all`, every live job a step) with the later chunks in the step's one
+    attention launch (`GraphForward.shared_kv_bytes` at `SHARED_KV_BYTES`) give each job's
+    logits alone within `CHUNKED_TOLERANCE`, the same top-1. Records how many later chunks
+    shared a launch (0 fails: the path did not run).
+
+    Args:
+        model: a `model.archs.gemma3.Model` (default `bench.gpu.gemma3_model()`: 270M
+            shapes, bf16, random weights from seed `SEED`) whose chunks take its compiled
+            graphs.
+    """
+    mx.random.seed(SEED)
+    model = model if model is not None else gemma3_model()
+    forward = model._graph_forward()
+    shared, attend_packed = [], forward.attend_packed
+
+    def counting(q, keys, values, scale, jobs, window):
+        shared.append(sum(1 for job in jobs if job.position > 0))
+        return attend_packed(q, keys, values, scale, jobs, window)
+
+    forward.attend_packed, forward.shared_kv_bytes = counting, SHARED_KV_BYTES
+    try:
+        jobs = [mx.random.randint(0, model.args.vocab_size, (n,)).tolist() for n in lengths]
+        prefills = [start_prefill(model, ids, vocab_size=model.args.vocab_size,
+                                  context_length=model.args.context_length,
+                                  chunk_tokens=chunk, kv_dtype=mx.bfloat16)
+                    for ids in jobs]
+        while live := [p for p in prefills if not p.done]:
+            Prefill.launch_all(live)
+            for p in live:
+                p.step()
+        packed = [p.logits() for p in prefills]
+    finally:
+        forward.attend_packed, forward.shared_kv_bytes = attend_packed, 0
+    ok = sum(shared) > 0
+    for ids, got in zip(jobs, packed, strict=True):
+        alone, _ = _logits(model, ids, chunk)
+        cmp = compare_logits(got, alone)
+        passed = cmp["diff"] <= CHUNKED_TOLERANCE and cmp["top1_agrees"] and cmp["finite"]
+        rec("packed_over_alone_check", cmp.pop("diff"), "max|diff|/max|logit|",
+            ceiling=CHUNKED_TOLERANCE, passed=passed, n_tokens=len(ids),
+            chunk_tokens=chunk, later_chunks_shared=sum(shared), **cmp)
+        ok = ok and passed
+    return ok
+
+
 # Layers of the Llama-family checks: enough for rounding to carry through the residual
 # stream as it does in the full models, few enough to build in seconds.
 LLAMA_CHECK_LAYERS = 8
@@ -210,7 +264,7 @@ def qwen3_4b_chunked_equals_one_pass(rec: Recorder) -> bool:
 
 CHECKS: list[Callable[[Recorder], bool]] = [
     fused_kernel_4_warps, fused_kernel_8_warps, fused_kernel_sm90, gelu_gate_kernel,
-    qk_norm_rope_kernel, chunked_equals_one_pass,
+    qk_norm_rope_kernel, chunked_equals_one_pass, packed_steps_equal_each_alone,
     gemma3_4b_chunked_equals_one_pass, llama3_8b_chunked_equals_one_pass,
     qwen3_4b_chunked_equals_one_pass,
     gpu_deepseek4.check_sparse_kernel, gpu_deepseek4.check_gathered_layers,

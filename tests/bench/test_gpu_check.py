@@ -17,6 +17,8 @@ import pytest
 from bench import gpu_check, gpu_deepseek4
 from bench.common import Recorder
 from model.archs import gemma3
+from model.archs._gemma3_graph import GraphForward
+from tests.model.graph_harness import mlx_attend, mlx_attend_packed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +28,7 @@ def test_checks_are_functions_of_a_recorder():
                                 gpu_check.fused_kernel_sm90, gpu_check.gelu_gate_kernel,
                                 gpu_check.qk_norm_rope_kernel,
                                 gpu_check.chunked_equals_one_pass,
+                                gpu_check.packed_steps_equal_each_alone,
                                 gpu_check.gemma3_4b_chunked_equals_one_pass,
                                 gpu_check.llama3_8b_chunked_equals_one_pass,
                                 gpu_check.qwen3_4b_chunked_equals_one_pass,
@@ -88,6 +91,28 @@ def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
     assert record["metric"] == "chunked_over_one_pass_check" and record["passed"]
     assert record["chunks"] == 3 and record["one_pass_chunks"] == 1
     assert record["value"] <= gpu_check.CHUNKED_TOLERANCE and record["top1_agrees"]
+
+
+def test_packed_check_passes_on_a_tiny_bf16_model_through_mlx_attention(capsys, monkeypatch):
+    """The packed-steps check on the CPU: a tiny bf16 Gemma through its compiled graphs with
+    MLX's attention in place of the kernels (`tests.model.graph_harness`); later chunks
+    share a launch and every job's logits are its own alone."""
+    args = gemma3.ModelArgs(
+        hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6,
+        sliding_window=16, rope_theta=1_000_000.0, context_length=256)
+    mx.random.seed(2)
+    model = gemma3.Model(args)
+    model.set_dtype(mx.bfloat16)
+    model._graph = GraphForward(mlx_attend, mlx_attend_packed)
+    monkeypatch.setattr(gemma3, "graph_applies", lambda model, cache: True)
+    assert gpu_check.packed_steps_equal_each_alone(Recorder(True, {}), model,
+                                                   lengths=(70, 33, 5, 40), chunk=16)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["n_tokens"] for r in records] == [70, 33, 5, 40]
+    assert all(r["passed"] and r["top1_agrees"] for r in records)
+    assert records[0]["later_chunks_shared"] > 0
+    assert model._graph.shared_kv_bytes == 0 and model._graph.attend_packed is mlx_attend_packed
 
 
 def test_check_without_a_cuda_gpu_is_a_one_line_error():
