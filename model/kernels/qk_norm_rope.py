@@ -7,7 +7,8 @@ and transposed to head-major, and V is transposed: at Gemma 3 4B's shapes RoPE a
 took 10% of a layer and their transposes part of the 10.7% in copies (docs/benchmarks.md,
 "The GELU gate as a kernel of its own"). Here one warp reads one head of one row (256 bf16,
 16 bytes a lane), norms it in float32 (reduced across the warp), rounds it to bf16 as
-MLX's ``rms_norm`` output is, rotates it (the partner half lane ``^ 16`` away, RoPE's
+MLX's CUDA ``rms_norm`` does (the normed value rounded, then times the weight rounded again:
+``w * bf16(x * inv)`` in bf16), rotates it (the partner half lane ``^ 16`` away, RoPE's
 frequencies and angle computed in float32 exactly as MLX's CUDA ``rope`` computes them) and
 writes it head-major, once. Gemma 3's graph takes it only with ``PREFILLQ_QK_KERNEL=1``
 (`enabled`): it has not run on a GPU yet.
@@ -60,7 +61,9 @@ SOURCE = """
         for (int j = 0; j < 8; ++j) {
             const float w = slot < H ? static_cast<float>(q_norm[lane * 8 + j])
                                      : static_cast<float>(k_norm[lane * 8 + j]);
-            y[j] = __bfloat162float(__float2bfloat16(x[j] * inv * w));
+            // as MLX's rms_norm: the normed value rounded, then times the weight in bf16
+            y[j] = __bfloat162float(__float2bfloat16(
+                __bfloat162float(__float2bfloat16(x[j] * inv)) * w));
         }
         #pragma unroll
         for (int j = 0; j < 8; ++j) p[j] = __shfl_xor_sync(0xffffffffu, y[j], 16);

@@ -104,7 +104,7 @@ def test_packed_check_passes_on_a_tiny_bf16_model_through_mlx_attention(capsys, 
     mx.random.seed(2)
     model = gemma3.Model(args)
     model.set_dtype(mx.bfloat16)
-    model._graph = GraphForward(mlx_attend, mlx_attend_packed)
+    model._graph = GraphForward(mlx_attend, mlx_attend_packed, shared_kv_bytes=0)
     monkeypatch.setattr(gemma3, "graph_applies", lambda model, cache: True)
     assert gpu_check.packed_steps_equal_each_alone(Recorder(True, {}), model,
                                                    lengths=(70, 33, 5, 40), chunk=16)
