@@ -43,22 +43,22 @@ HEADS_KERNEL_MIN = 1 << 22
 # (`attend_packed`) when their keys and values there take at most this many bytes (global
 # layers: every row the cache holds): the launch reads each job's keys from one array, so
 # joining copies them, ~4 us at 8 MiB of an H200's ~4.8 TB/s (read and written), where a
-# launch of its own costs ~15-20 us of the host's time (docs/benchmarks.md); a job with a
-# longer context attends on its own, where its attention's work dwarfs a launch and the
-# kernel may split its keys. Opt-in (``$PREFILLQ_SHARED_KV_BYTES``, `shared_kv_bytes`)
-# until the kernel's later-chunk cases have run on a GPU (`bench.gpu --check`).
+# launch of its own costs ~15-20 us of the host's time; a job with a longer context attends
+# on its own, where its attention's work dwarfs a launch and the kernel may split its keys.
+# On an H100, 64 prompts of 32-512 tokens in 128-token chunks, 8 a step: 1.25-1.30x the
+# packed steps' tokens/s of later chunks on their own (docs/benchmarks.md).
+# ``$PREFILLQ_SHARED_KV_BYTES`` overrides it (`shared_kv_bytes`; 0: on their own).
 SHARED_KV_BYTES = 8 << 20
 SHARED_KV_BYTES_ENV = "PREFILLQ_SHARED_KV_BYTES"
 
 
 def shared_kv_bytes() -> int:
-    """``$PREFILLQ_SHARED_KV_BYTES`` (an integer >= 0; `SHARED_KV_BYTES` is the value it
-    was sized for), or 0 where unset: later chunks attend on their own.
+    """``$PREFILLQ_SHARED_KV_BYTES`` (an integer >= 0) where set, else `SHARED_KV_BYTES`.
 
     Raises:
         ValueError: the variable is set to anything else.
     """
-    value = os.environ.get(SHARED_KV_BYTES_ENV, "0")
+    value = os.environ.get(SHARED_KV_BYTES_ENV, str(SHARED_KV_BYTES))
     if not value.isdigit():
         raise ValueError(f"{SHARED_KV_BYTES_ENV} must be an integer >= 0, got {value!r}")
     return int(value)

@@ -232,13 +232,13 @@ def test_packed_steps_of_different_rows_run_one_padded_shape_and_score_the_same(
                                                                     (150, 250, 112)]
 
 
-def test_later_chunks_share_the_launch_only_when_asked(monkeypatch):
-    """Opt-in until the kernel's later-chunk cases have run on a GPU: unset, 0 bytes (later
-    chunks attend on their own); set, its bytes; anything else, a clear error."""
+def test_later_chunks_share_the_launch_up_to_8_mib_unless_told_otherwise(monkeypatch):
+    """By default a later chunk's keys and values may take 8 MiB in the shared launch; the
+    variable sets another size (0: never); anything else is a clear error."""
     monkeypatch.delenv(_gemma3_graph.SHARED_KV_BYTES_ENV, raising=False)
+    assert _gemma3_graph.shared_kv_bytes() == _gemma3_graph.SHARED_KV_BYTES == 8 << 20
+    monkeypatch.setenv(_gemma3_graph.SHARED_KV_BYTES_ENV, "0")
     assert _gemma3_graph.shared_kv_bytes() == 0
-    monkeypatch.setenv(_gemma3_graph.SHARED_KV_BYTES_ENV, str(_gemma3_graph.SHARED_KV_BYTES))
-    assert _gemma3_graph.shared_kv_bytes() == 8 << 20
     monkeypatch.setenv(_gemma3_graph.SHARED_KV_BYTES_ENV, "8M")
     with pytest.raises(ValueError, match="PREFILLQ_SHARED_KV_BYTES must be an integer"):
         _gemma3_graph.shared_kv_bytes()
