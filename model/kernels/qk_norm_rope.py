@@ -10,8 +10,8 @@ took 10% of a layer and their transposes part of the 10.7% in copies (docs/bench
 MLX's CUDA ``rms_norm`` does (the normed value rounded, then times the weight rounded again:
 ``w * bf16(x * inv)`` in bf16), rotates it (the partner half lane ``^ 16`` away, RoPE's
 frequencies and angle computed in float32 exactly as MLX's CUDA ``rope`` computes them) and
-writes it head-major, once. Gemma 3's graph takes it only with ``PREFILLQ_QK_KERNEL=1``
-(`enabled`): it has not run on a GPU yet.
+writes it head-major, once. Gemma 3's graph takes it unless ``PREFILLQ_QK_KERNEL=0``
+(`enabled`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import numpy as np
 
 from . import flash_attention, source_tag
 
-# `PREFILLQ_QK_KERNEL=1` lets Gemma 3's graph use the kernel. Opt-in: it was built on
-# 2026-12-06 when no GPU was left to run it on; `python -m bench.gpu --check --checks
-# qk_norm` (the kernel against MLX's path) and the models' checks decide whether it becomes
-# the default.
+# `PREFILLQ_QK_KERNEL=0` keeps Gemma 3's graph on MLX's ops. On an H100 the kernel equals
+# MLX's compiled `_heads_packed` bit for bit (`bench.gpu --check --checks qk_norm`) and adds
+# 2.6-3.3% to Gemma 3 4B's prefill (docs/benchmarks.md, "Q/K norm and RoPE as one kernel").
 ENV = "PREFILLQ_QK_KERNEL"
 HEAD_DIM = 256  # 32 lanes x 8 values
 THREADS = 256  # 8 warps a block, a (row, head) each
@@ -96,9 +95,9 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether Gemma 3's graph uses the kernel: `available` and ``$PREFILLQ_QK_KERNEL=1``
-    (opt-in until it has run on a GPU)."""
-    return os.environ.get(ENV, "0") == "1" and available()
+    """Whether Gemma 3's graph uses the kernel: `available` and ``$PREFILLQ_QK_KERNEL`` not
+    ``0``."""
+    return os.environ.get(ENV, "1") != "0" and available()
 
 
 def qk_norm_rope(qkv: mx.array, positions: mx.array, q_norm: mx.array, k_norm: mx.array, *,
