@@ -188,6 +188,10 @@ class Model(nn.Module, KVCacheModel, PackedModel):
     (``every_position=True`` keeps every position, for prompt log-probabilities only).
     ``model.packed(inputs, caches)`` runs several jobs' chunks in one forward pass
     (`model.archs._packed.PackedModel`).
+
+    Raises:
+        ValueError: ``$PREFILLQ_SHARED_KV_BYTES`` is set to anything but an integer >= 0
+            (`model.archs._gemma3_graph.shared_kv_bytes`), read when the model is built.
     """
 
     architecture = ARCHITECTURE
@@ -199,6 +203,8 @@ class Model(nn.Module, KVCacheModel, PackedModel):
         self.blk = [Block(args, i) for i in range(args.num_hidden_layers)]
         self.output_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._graph: GraphForward | None = None
+        # read here, so that a bad $PREFILLQ_SHARED_KV_BYTES stops a worker at its start
+        self._shared_kv_bytes = shared_kv_bytes()
 
     @property
     def sliding_window(self) -> int:
@@ -243,7 +249,7 @@ class Model(nn.Module, KVCacheModel, PackedModel):
                     and self.args.intermediate_size % gelu.VECTOR == 0 else None)
             heads = qk_norm_rope.qk_norm_rope if qk_norm_rope.enabled() else None
             self._graph = GraphForward(_fused_attend, fused.packed_flash_attention, gate,
-                                       heads, shared_kv_bytes())
+                                       heads, self._shared_kv_bytes)
         return self._graph
 
     def embed(self, inputs: mx.array) -> mx.array:

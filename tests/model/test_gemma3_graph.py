@@ -242,3 +242,10 @@ def test_later_chunks_share_the_launch_up_to_8_mib_unless_told_otherwise(monkeyp
     monkeypatch.setenv(_gemma3_graph.SHARED_KV_BYTES_ENV, "8M")
     with pytest.raises(ValueError, match="PREFILLQ_SHARED_KV_BYTES must be an integer"):
         _gemma3_graph.shared_kv_bytes()
+
+
+def test_a_bad_shared_kv_bytes_stops_the_model_at_its_build(monkeypatch, tiny):
+    """Read when a Gemma 3 model is built (a worker's start), not at its first CUDA step."""
+    monkeypatch.setenv(_gemma3_graph.SHARED_KV_BYTES_ENV, "off")
+    with pytest.raises(ValueError, match="PREFILLQ_SHARED_KV_BYTES must be an integer"):
+        gemma3.Model(tiny.model.args)
