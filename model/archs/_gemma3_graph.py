@@ -15,7 +15,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.flash_attention import PackedJob
+from ..kernels.flash_attention import PackedJob, fresh_jobs
 from ..kernels.gelu import gelu_gate
 from ._packed import job_outputs
 
@@ -62,6 +62,11 @@ def shared_kv_bytes() -> int:
     if not value.isdigit():
         raise ValueError(f"{SHARED_KV_BYTES_ENV} must be an integer >= 0, got {value!r}")
     return int(value)
+
+
+def _joined(rows: list[mx.array]) -> mx.array:
+    """`rows` ``(1, heads, n_i, head_dim)`` concatenated along the rows (one: not copied)."""
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=2)
 
 
 def padded_rows(rows: int) -> int:
@@ -338,8 +343,10 @@ class GraphForward:
                                               writes, strict=False):
                 if write:
                     cache.write(k[:, :, start : start + n], v[:, :, start : start + n], 0)
-            keys, values = [k[:, :, :starts[fresh]]], [v[:, :, :starts[fresh]]]
-            jobs = [PackedJob(n, n, 0) for n in lengths[:fresh]]
+            # the first chunks' keys are their own rows, one run [0, starts[fresh])
+            keys = [k[:, :, :starts[fresh]]] if fresh else []
+            values = [v[:, :, :starts[fresh]]] if fresh else []
+            jobs = list(fresh_jobs(lengths[:fresh]))
             for i in range(fresh, shared):
                 mine = slice(starts[i], starts[i + 1])
                 job_keys, job_values, _ = layer_caches[i].update(k[:, :, mine], v[:, :, mine],
@@ -347,13 +354,9 @@ class GraphForward:
                 keys.append(job_keys)
                 values.append(job_values)
                 jobs.append(PackedJob(lengths[i], job_keys.shape[2], positions[i]))
-            if not fresh:
-                keys, values = keys[1:], values[1:]
-            end = starts[shared]
-            outs.append(self.attend_packed(
-                q[:, :, :end], keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2),
-                values[0] if len(values) == 1 else mx.concatenate(values, axis=2),
-                attn.scale, tuple(jobs), attn.window))
+            outs.append(self.attend_packed(q[:, :, :starts[shared]], _joined(keys),
+                                           _joined(values), attn.scale, tuple(jobs),
+                                           attn.window))
         for i in range(shared, len(lengths)):
             mine = slice(starts[i], starts[i + 1])
             keys, values, mask = layer_caches[i].update(k[:, :, mine], v[:, :, mine],

@@ -26,7 +26,8 @@ from . import flash_attention, source_tag
 
 # `PREFILLQ_QK_KERNEL=0` keeps Gemma 3's graph on MLX's ops. On an H100 the kernel equals
 # MLX's compiled `_heads_packed` bit for bit (`bench.gpu --check --checks qk_norm`) and adds
-# 2.6-3.3% to Gemma 3 4B's prefill (docs/benchmarks.md, "Q/K norm and RoPE as one kernel").
+# 2.9-3.3% to Gemma 3 4B's prefill (medians of five rounds at 32K and 8K; docs/benchmarks.md,
+# "Q/K norm and RoPE as one kernel").
 ENV = "PREFILLQ_QK_KERNEL"
 HEAD_DIM = 256  # 32 lanes x 8 values
 THREADS = 256  # 8 warps a block, a (row, head) each

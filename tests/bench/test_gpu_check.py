@@ -78,7 +78,8 @@ def test_compare_logits_measures_against_the_largest_logit():
     assert not gpu_check.compare_logits(whole * np.nan, whole)["finite"]
 
 
-def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
+def _tiny_bf16_gemma() -> gemma3.Model:
+    """A 6-layer, 64-wide Gemma 3 in bf16 (random weights, seed 2), a 16-token window."""
     args = gemma3.ModelArgs(
         hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6,
@@ -86,6 +87,11 @@ def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
     mx.random.seed(2)
     model = gemma3.Model(args)
     model.set_dtype(mx.bfloat16)
+    return model
+
+
+def test_chunked_check_passes_on_a_tiny_bf16_model(capsys):
+    model = _tiny_bf16_gemma()
     assert gpu_check.chunked_equals_one_pass(Recorder(True, {}), model, n=96, chunk=32)
     record = json.loads(capsys.readouterr().out)
     assert record["metric"] == "chunked_over_one_pass_check" and record["passed"]
@@ -97,13 +103,7 @@ def test_packed_check_passes_on_a_tiny_bf16_model_through_mlx_attention(capsys, 
     """The packed-steps check on the CPU: a tiny bf16 Gemma through its compiled graphs with
     MLX's attention in place of the kernels (`tests.model.graph_harness`); later chunks
     share a launch and every job's logits are its own alone."""
-    args = gemma3.ModelArgs(
-        hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, vocab_size=512, rms_norm_eps=1e-6,
-        sliding_window=16, rope_theta=1_000_000.0, context_length=256)
-    mx.random.seed(2)
-    model = gemma3.Model(args)
-    model.set_dtype(mx.bfloat16)
+    model = _tiny_bf16_gemma()
     model._graph = GraphForward(mlx_attend, mlx_attend_packed, shared_kv_bytes=0)
     monkeypatch.setattr(gemma3, "graph_applies", lambda model, cache: True)
     assert gpu_check.packed_steps_equal_each_alone(Recorder(True, {}), model,

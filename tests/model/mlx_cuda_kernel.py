@@ -17,7 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from model.kernels.nvrtc import NvrtcError, compile_cubin, library
+from model.kernels.nvrtc import compile_cubin
+from tests.model.sass import nvrtc_or_skip
 
 ARCH = "sm_90"  # the H100 and H200 the kernels are tuned for
 CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
@@ -86,10 +87,7 @@ class EmulatedKernels:
     launch's kernel name and template) and return zeros."""
 
     def __init__(self):
-        try:
-            library()
-        except NvrtcError as e:
-            pytest.skip(str(e))
+        nvrtc_or_skip()
         self.include = include_dir()
         self.compiled: list[tuple[str, tuple]] = []
 
