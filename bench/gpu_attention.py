@@ -105,7 +105,7 @@ def check(rec: Recorder, warps: int = 4, hopper: bool = False) -> bool:
 def _path(warps: int, hopper: bool) -> dict:
     """A record's fields naming the kernel path it measured."""
     if hopper:
-        return {"path": "sm90 wgmma"}
+        return {"path": "sm90 wgmma" + (" tma" if sm90.TMA else "")}
     return {"path": "mma.sync", "warps": warps}
 
 
@@ -184,11 +184,13 @@ def _micro_at(rec: Recorder, L: int, shapes, peers: Iterable[dict], hopper: bool
 
 
 # The sm_90a kernel's build choices `sweep` times: (warpgroups, K/V stages, keys a step,
-# ping-pong). One warpgroup's 32-key tiles (97 KB) let two blocks share a multiprocessor
-# with two stages each; two warpgroups may take turns at the tensor cores within a step.
-SM90_VARIANTS = ((2, 2, 64, False), (2, 1, 64, False), (1, 2, 64, False), (1, 1, 64, False),
-                 (1, 2, 32, False), (2, 2, 32, False), (2, 2, 64, True), (2, 1, 64, True),
-                 (2, 2, 32, True))
+# ping-pong, TMA). One warpgroup's 32-key tiles (97 KB) let two blocks share a
+# multiprocessor with two stages each; two warpgroups may take turns at the tensor cores
+# within a step; a producer warpgroup may bring the tiles by the bulk tensor copy engine.
+SM90_VARIANTS = ((2, 2, 64, False, False), (2, 1, 64, False, False), (1, 2, 64, False, False),
+                 (1, 1, 64, False, False), (1, 2, 32, False, False), (2, 2, 32, False, False),
+                 (2, 2, 64, True, False), (2, 1, 64, True, False), (2, 2, 32, True, False),
+                 (2, 2, 64, True, True), (2, 2, 64, False, True))
 
 
 def sweep(rec: Recorder, variants=SM90_VARIANTS) -> None:
@@ -207,19 +209,20 @@ def _sweep_at(rec: Recorder, L: int, variants) -> None:
     params = mx.array([0, 0, 0, L, L, 1], dtype=mx.int32)
     scale = mx.array([D ** -0.5], dtype=mx.float32)
 
-    def run(wg: int, stages: int, block_n: int, pingpong: bool) -> mx.array:
+    def run(wg: int, stages: int, block_n: int, pingpong: bool, tma: bool) -> mx.array:
         return sm90.launch(sm90.ONE, q, k, v, params, scale, -(-L // (64 * wg)), 1,
                            [q.shape], [q.dtype], block_n=block_n, warpgroups=wg,
-                           stages=stages, pingpong=pingpong)[0]
+                           stages=stages, pingpong=pingpong, tma=tma)[0]
 
-    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.BLOCK_N, sm90.PINGPONG).astype(mx.float32)
+    base = run(sm90.WARPGROUPS, sm90.STAGES, sm90.BLOCK_N, sm90.PINGPONG,
+               sm90.TMA).astype(mx.float32)
     seconds = _interleaved_seconds({b: functools.partial(run, *b) for b in variants},
                                    MICRO["repeats"], MICRO["batch"])
     for build, s in seconds.items():
         diff = float(mx.abs(run(*build).astype(mx.float32) - base).max() / mx.abs(base).max())
-        wg, stages, block_n, pingpong = build
+        wg, stages, block_n, pingpong, tma = build
         rec("sm90_variant_tflops", flops / s / 1e12, "TFLOP/s", warpgroups=wg,
-            stages=stages, block_n=block_n, pingpong=pingpong, queries=L,
+            stages=stages, block_n=block_n, pingpong=pingpong, tma=tma, queries=L,
             seconds=round(s, 6), diff_from_default=diff)
 
 

@@ -47,6 +47,34 @@ def test_the_products_run_on_warpgroup_mma_without_spills(variant, warpgroups, b
     assert not spills(sass)
 
 
+@pytest.mark.parametrize("variant", [sm90.ONE, sm90.SPLIT, sm90.PACKED])
+def test_the_tma_build_has_a_producer_warpgroup_that_hands_its_registers_over(variant,
+                                                                             tmp_path):
+    # the producer's bulk tensor copies: Q's 2 warpgroups x 4 regions, then a step's K and
+    # V 4 regions each (the loops unrolled); setmaxnreg takes the producer to 24 registers
+    # and the consumers to 240, and the consumers' products still fit them without spills
+    nvrtc_or_skip()
+    build = (256, variant, sm90.BLOCK_N, 2, 2, sm90.PINGPONG, True)
+    sass = disassemble(sm90._cubin(*build), tmp_path)
+    assert len(re.findall(r"\bUTMALDG\.3D\b", sass)) == 2 * 4 + 4 + 4
+    assert re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass) == ["0x18"]
+    assert len(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL", sass)) == 1
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    assert hgmma_shapes(sass) == {"64x64x16": 32}
+    assert not spills(sass)
+    assert sm90.kernel_name(*build).endswith(f"_tma_{variant}")
+    assert sm90.threads(2, tma=True) == 384 and sm90.threads(2, tma=False) == 256
+    assert sm90.shared_bytes(256, tma=True) == sm90.shared_bytes(256, tma=False) + 512
+    assert sm90.shared_bytes(256, tma=True) <= HOPPER_SHARED_BYTES
+
+
+def test_without_tma_no_copy_engine_or_register_handover(tmp_path):
+    nvrtc_or_skip()
+    sass = disassemble(sm90._cubin(256, sm90.ONE, sm90.BLOCK_N, 2, 2, sm90.PINGPONG, False),
+                       tmp_path)
+    assert not re.search(r"UTMALDG|USETMAXREG", sass)
+
+
 @pytest.mark.parametrize("warpgroups, pingpong, turns", [
     (2, True, True),     # the default: the second warpgroup waits for the first's S
     (2, False, False),
@@ -103,9 +131,11 @@ def test_kernel_names_change_with_their_source():
     from model.kernels import source_tag
 
     name = sm90.kernel_name(256, sm90.ONE, sm90.BLOCK_N, sm90.WARPGROUPS, sm90.STAGES)
-    assert source_tag(sm90.HEADER, sm90.WGMMA, sm90.SOURCE) in name
-    assert (source_tag(sm90.HEADER, sm90.WGMMA + "\n", sm90.SOURCE)
-            != source_tag(sm90.HEADER, sm90.WGMMA, sm90.SOURCE))
+    texts = (sm90.HEADER, sm90.WGMMA, sm90.TMA_HEADER, sm90.SOURCE)
+    assert source_tag(*texts) in name
+    for i in range(len(texts)):   # every text the kernel is built from
+        edited = texts[:i] + (texts[i] + "\n",) + texts[i + 1:]
+        assert source_tag(*edited) != source_tag(*texts)
 
 
 def test_the_sm_90a_plan_splits_keys_only_for_few_blocks_over_many_keys():
