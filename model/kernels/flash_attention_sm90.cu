@@ -53,12 +53,31 @@ static_assert(CONSUMERS % (D / 8) == 0, "the copies give each thread whole rows'
 static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
 static_assert(!TMA || STAGES == 2, "the producer fills one K/V buffer while the other is used");
 static_assert(!TMA || WARPGROUPS == 2, "setmaxnreg's split is sized for two consumers");
-// FlashAttention-3's ping-pong (section 3.1) within a step: the second warpgroup issues its
-// S = Q K^T only once the first has issued its own, so the first's softmax runs while the
-// tensor cores compute the second's S, and the second's softmax while they compute the
-// first's P V (in step, both would issue together and both wait out the softmax)
+// FlashAttention-3's ping-pong (section 3.1): the two warpgroups take turns issuing S = Q
+// K^T, so the first's softmax runs while the tensor cores compute the second's S, and the
+// second's while they compute the first's P V (in step, both would issue together and both
+// wait out the softmax). With TMA each waits on its own named barrier before it issues and
+// arrives on the other's after, so the turns alternate strictly with no block-wide barrier
+// to keep the steps in phase (a one-way signal could be arrived at twice before it was
+// awaited); without, the per-step __syncthreads does that and the second only waits for
+// the first's signal
 constexpr bool TAKE_TURNS = PINGPONG && WARPGROUPS == 2;
-constexpr int TURN_BARRIER = 1;   // named barrier 0 is __syncthreads'
+constexpr int TURN_BARRIER = 1;   // warpgroup w's is TURN_BARRIER + w (0 is __syncthreads')
+
+// Wait at (SYNC) or arrive at warpgroup w's turn barrier, with the consumers' count
+// (immediate ids: an id in a register holds one through the loop)
+template <bool SYNC>
+__device__ __forceinline__ void named_barrier(int w) {
+  if (w == 0) {
+    if (SYNC) asm volatile("bar.sync %0, %1;\n" :: "n"(TURN_BARRIER), "n"(CONSUMERS) : "memory");
+    else asm volatile("bar.arrive %0, %1;\n" :: "n"(TURN_BARRIER), "n"(CONSUMERS) : "memory");
+  } else {
+    if (SYNC)
+      asm volatile("bar.sync %0, %1;\n" :: "n"(TURN_BARRIER + 1), "n"(CONSUMERS) : "memory");
+    else
+      asm volatile("bar.arrive %0, %1;\n" :: "n"(TURN_BARRIER + 1), "n"(CONSUMERS) : "memory");
+  }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
@@ -229,6 +248,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
     asm volatile("cp.async.commit_group;\n" ::);
   };
   if (!TMA && n_steps > 0) load_kv(0, lo_block);
+  if (TAKE_TURNS && TMA && wg == 1) named_barrier<false>(0);   // the first turn: the first's
   for (int step = 0; step < n_steps; ++step) {
     const int kb = lo_block + step * BLOCK_N, stage = STAGES == 1 ? 0 : step % STAGES;
 #if TMA
@@ -239,15 +259,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
 #endif
 
     float s[N_TILES][4];
-    if (TAKE_TURNS && wg == 1)   // the first warpgroup's S goes first
-      asm volatile("bar.sync %0, %1;\n" :: "n"(TURN_BARRIER), "n"(CONSUMERS) : "memory");
+    if (TAKE_TURNS && (TMA || wg == 1)) named_barrier<true>(TMA ? wg : 0);   // its turn
     wgmma_fence();
     // S = Q K^T over this warpgroup's 64 query rows (their address computed here: hoisted
     // out of the loop it costs ~20 more registers)
     issue_qk<D, BLOCK_M>(s, q_smem + wg * 64 * 128, k_tile(stage));
     wgmma_commit();
-    if (TAKE_TURNS && wg == 0)
-      asm volatile("bar.arrive %0, %1;\n" :: "n"(TURN_BARRIER), "n"(CONSUMERS) : "memory");
+    if (TAKE_TURNS && (TMA || wg == 0)) named_barrier<false>(TMA ? 1 - wg : 0);   // theirs
     wgmma_wait_all();
     fence_registers(s);
     mask_scale(s, kb);

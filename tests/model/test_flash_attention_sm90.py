@@ -62,6 +62,10 @@ def test_the_tma_build_has_a_producer_warpgroup_that_hands_its_registers_over(va
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
     assert hgmma_shapes(sass) == {"64x64x16": 32}
     assert not spills(sass)
+    # turns on two named barriers, one a warpgroup (no block-wide barrier in the loop)
+    for barrier in ("0x1", "0x2"):
+        turns = re.findall(rf"BAR\.(SYNC\S*|ARV) {barrier}, 0x100\b", sass)
+        assert sorted(set(turns)) == ["ARV", "SYNC.DEFER_BLOCKING"]
     assert sm90.kernel_name(*build).endswith(f"_tma_{variant}")
     assert sm90.threads(2, tma=True) == 384 and sm90.threads(2, tma=False) == 256
     assert sm90.shared_bytes(256, tma=True) == sm90.shared_bytes(256, tma=False) + 512
