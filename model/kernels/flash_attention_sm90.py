@@ -9,6 +9,9 @@ refused, so the source goes through NVRTC (`model.kernels.nvrtc`) for sm_90a and
 compute capability 9.0 GPU unless ``$PREFILLQ_HOPPER_ATTENTION`` is ``0`` (then mma.sync, as
 on other GPUs). The kernel is checked by ``python -m bench.gpu_attention`` and the models'
 path with it by ``python -m bench.gpu --check`` (docs/benchmarks.md, "The Hopper path").
+With ``$PREFILLQ_HOPPER_TMA=1`` a producer warpgroup brings Q, K and V through the bulk
+tensor copy engine (`TMA`; the source's and tma.cuh's comments say how): checked on an H100
+and no faster there than the consumers' own cp.async copies, so off by default.
 """
 
 from __future__ import annotations
