@@ -50,13 +50,11 @@ const int splits = params[5], b = blockIdx.z / splits, split = blockIdx.z % spli
 const int kvh = h / GROUP;
 const int window = params[2];
 #ifdef PREFILLQ_PACKED
-// several jobs' chunks packed along L, each over its own keys: this block's job has L
-// query rows from row seq_row and N keys from row kv_seq_row, its chunk starts at
-// position, and the block is its m_block-th
-const int* job = blocks + 6 * blockIdx.x;
-const int seq_row = job[0], L = job[1], m_block = job[2];
-const int kv_seq_row = job[3], N = job[4], position = job[5];
-const int k_start = position - (N - L);
+// several jobs' chunks packed along L, each over its own keys (mma.cuh's PackedBlock)
+const PackedBlock job = packed_block(blocks, blockIdx.x);
+const int seq_row = job.seq_row, L = job.L, m_block = job.m_block;
+const int kv_seq_row = job.kv_seq_row, N = job.N, position = job.position;
+const int k_start = job.k_start;
 #else
 const int seq_row = 0, kv_seq_row = 0, L = params[3], N = params[4], m_block = blockIdx.x;
 const int position = params[0], k_start = params[1];

@@ -111,11 +111,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   const int kvh = h / (H / KVH);
   const int window = params[2];
 #ifdef PREFILLQ_PACKED
-  // as flash_attention.cu's packed table: query rows, keys and position of this block's job
-  const int* job = blocks + 6 * blockIdx.x;
-  const int seq_row = job[0], L = job[1], m_block = job[2];
-  const int kv_seq_row = job[3], N = job[4], position = job[5];
-  const int k_start = position - (N - L);
+  // several jobs' chunks packed along L, each over its own keys (mma.cuh's PackedBlock)
+  const PackedBlock job = packed_block(blocks, blockIdx.x);
+  const int seq_row = job.seq_row, L = job.L, m_block = job.m_block;
+  const int kv_seq_row = job.kv_seq_row, N = job.N, position = job.position;
+  const int k_start = job.k_start;
 #else
   // the longest rows first: a causal block's work grows with its index, and the last wave
   // then holds the short ones (FlashAttention-2's ordering)

@@ -143,6 +143,37 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_TILES][4], float (&o
   }
 }
 
+// A block of the packed variant (several jobs' chunks along L, each over its own keys): the
+// launch's table holds six ints a block, its job's first query row, query rows, this
+// block's index among the job's, first key row, keys, and the chunk's position; its keys
+// start at position - (keys - rows) (flash_attention.py, `query_blocks`).
+struct PackedBlock {
+  int seq_row, L, m_block, kv_seq_row, N, position, k_start;
+};
+
+__device__ __forceinline__ PackedBlock packed_block(const int* blocks, unsigned block) {
+  const int* job = blocks + 6 * block;
+  const PackedBlock b = {job[0], job[1], job[2], job[3], job[4], job[5],
+                         job[5] - (job[4] - job[1])};
+  return b;
+}
+
+// With an attention sink (DeepSeek-V4: a per-head logit, log2 units, that joins the
+// softmax's denominator and no output), the factors that turn the two rows' O (running
+// maxima m_*, whole sums l_* after quad_sum) into their outputs: 1 / (sum_j exp(x_j) +
+// exp(sink)), both terms rescaled to the larger of the running max and the sink; a row that
+// saw no key (m = NEG_INF) gets 0.
+__device__ __forceinline__ void sink_normalizers(float m_lo, float m_hi, float l_lo, float l_hi,
+                                                 float sink_lo, float sink_hi, float& inv_lo,
+                                                 float& inv_hi) {
+  const float NEG_INF = __int_as_float(0xff800000);
+  const float top_lo = fmaxf(m_lo, sink_lo), top_hi = fmaxf(m_hi, sink_hi);
+  const float f_lo = m_lo == NEG_INF ? 0.f : exp2f(m_lo - top_lo);
+  const float f_hi = m_hi == NEG_INF ? 0.f : exp2f(m_hi - top_hi);
+  inv_lo = f_lo / (l_lo * f_lo + exp2f(sink_lo - top_lo));
+  inv_hi = f_hi / (l_hi * f_hi + exp2f(sink_hi - top_hi));
+}
+
 // The keys a block of queries may see: its rows [row0, row0 + block_m) of L at positions
 // from `position`, over keys at positions [k_start, k_start + N), causal and (window > 0)
 // within the sliding window. `first_q`/`last_q` are its first and last query positions;

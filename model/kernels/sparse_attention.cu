@@ -114,17 +114,13 @@ for (int step = 0; step < steps; ++step) {
   pv_tiles<N_TILES, O_TILES, ROW>(o, s, v_smem + off);
 }
 
-// row sums over the 4 threads of a row, then the sink joins the softmax's denominator:
-// sum_j exp(x_j) + exp(sink), rescaled to the larger of the running max and the sink
+// row sums over the 4 threads of a row, then the sink joins the softmax's denominator
 l_lo = quad_sum(l_lo);
 l_hi = quad_sum(l_hi);
 const int h_lo = h0 + rg * 16 + g, h_hi = h_lo + 8;
-const float sink_lo = sinks[h_lo] * LOG2E, sink_hi = sinks[h_hi] * LOG2E;
-const float top_lo = fmaxf(m_lo, sink_lo), top_hi = fmaxf(m_hi, sink_hi);
-const float f_lo = m_lo == NEG_INF ? 0.f : exp2f(m_lo - top_lo);
-const float f_hi = m_hi == NEG_INF ? 0.f : exp2f(m_hi - top_hi);
-const float inv_lo = f_lo / (l_lo * f_lo + exp2f(sink_lo - top_lo));
-const float inv_hi = f_hi / (l_hi * f_hi + exp2f(sink_hi - top_hi));
+float inv_lo, inv_hi;
+sink_normalizers(m_lo, m_hi, l_lo, l_hi, sinks[h_lo] * LOG2E, sinks[h_hi] * LOG2E, inv_lo,
+                 inv_hi);
 __nv_bfloat16* op = out + (size_t)l * H * D;
 #pragma unroll
 for (int j = 0; j < O_TILES; ++j) {
