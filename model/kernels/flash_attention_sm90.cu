@@ -42,6 +42,7 @@ constexpr int THREADS = CONSUMERS + (TMA ? 128 : 0);     // and with TMA the pro
 // multiprocessor quarter, one warp of each warpgroup in it, <= 512). A lone producer warp
 // (288 threads) would leave every thread 168 too: each quarter's three warps split 16,384.
 constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
+constexpr int MAP_BYTES = 3 * 128;   // a block's tensor maps of Q, K and V (the host's too)
 constexpr int REGIONS = D / 64;              // 64-column, 128-byte-wide swizzle regions
 constexpr int N_TILES = BLOCK_N / 8;         // S fragments of 8 keys
 constexpr int D_TILES = D / 8;               // O fragments of 8 dims
@@ -205,28 +206,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) KERNEL_NAME(
   if (tid >= CONSUMERS) {   // the producer warpgroup: its first warp issues every copy
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGISTERS));
     if (n_steps == 0 || tid >= CONSUMERS + 32) return;
-    unsigned char* my_maps =
-        maps + 384 * (blockIdx.x + gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z));
+    unsigned char* my_maps = maps + MAP_BYTES * (blockIdx.x + gridDim.x * (blockIdx.y +
+                                                (size_t)gridDim.y * blockIdx.z));
     build_tensor_map(staging, my_maps, q, D, q_rows, B * H, 64, lane);
     build_tensor_map(staging + 128, my_maps + 128, k, D, kv_rows, B * KVH, BLOCK_N, lane);
     build_tensor_map(staging + 256, my_maps + 256, v, D, kv_rows, B * KVH, BLOCK_N, lane);
     if (lane != 0) return;
+    // a tile of `rows` rows from `row` of `plane`, one box per region, into its swizzled
+    // place (the box's first row is a multiple of 8, so its chunks land unswizzled)
+    auto load_tile = [&](uint32_t tile, int tile_rows, int first, const void* map,
+                         uint32_t bar, int row, int plane) {
+      for (int region = 0; region < REGIONS; ++region)
+        tma_load(tile + swizzled(first, region * 8, tile_rows), map, bar, region * 64, row,
+                 plane);
+    };
     mbarrier_expect_bytes(q_full, Q_BYTES);
     for (int w = 0; w < WARPGROUPS; ++w)
-      for (int region = 0; region < REGIONS; ++region)
-        tma_load(q_smem + region * BLOCK_M * 128 + w * 64 * 128, my_maps, q_full, region * 64,
-                 seq_row + row0 + w * 64, b * H + h);
+      load_tile(q_smem, BLOCK_M, w * 64, my_maps, q_full, seq_row + row0 + w * 64, b * H + h);
     for (int step = 0; step < n_steps; ++step) {
       const int stage = step % STAGES, key = kv_seq_row + lo_block + step * BLOCK_N - k_start;
       if (step >= STAGES) mbarrier_wait(kv_free(stage), (step / STAGES - 1) & 1);
       mbarrier_expect_bytes(k_full(stage), KV_BYTES);
-      for (int region = 0; region < REGIONS; ++region)
-        tma_load(k_smem + stage * KV_BYTES + region * BLOCK_N * 128, my_maps + 128,
-                 k_full(stage), region * 64, key, b * KVH + kvh);
+      load_tile(k_tile(stage), BLOCK_N, 0, my_maps + 128, k_full(stage), key, b * KVH + kvh);
       mbarrier_expect_bytes(v_full(stage), KV_BYTES);
-      for (int region = 0; region < REGIONS; ++region)
-        tma_load(v_smem + stage * KV_BYTES + region * BLOCK_N * 128, my_maps + 256,
-                 v_full(stage), region * 64, key, b * KVH + kvh);
+      load_tile(v_tile(stage), BLOCK_N, 0, my_maps + 256, v_full(stage), key, b * KVH + kvh);
     }
     return;
   }
